@@ -1,0 +1,1 @@
+"""The paper's baselines behind the same `TileQuantizer` interface; each module registers its presets."""
