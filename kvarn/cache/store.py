@@ -12,6 +12,10 @@ tiles are appended along axis 2 and tile j always covers the same positions for 
 
 A tile whose input holds NaN/Inf, or whose stored scales overflow, is kept exact instead (`exact_*`),
 counted in the bytes, and restored bit-for-bit on read.
+
+`exact_dtype` sets the dtype of the full-precision regions (sink, tail); None keeps the incoming dtype.
+A 16-bit choice for a float32 model matches what an fp16 deployment holds; a store that meets a value
+out of that dtype's range switches its regions back to the incoming dtype rather than overflow.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ class Bytes:
     tail: int = 0
     exact_tiles: int = 0  # tiles kept exact because of non-finite values
     elements: int = 0  # cached K/V elements
+    positions: int = 0  # per-token positions kept to redo RoPE (key_pre_rope presets)
 
     @property
     def total(self) -> int:
-        return self.packed + self.sink + self.tail + self.exact_tiles
+        return self.packed + self.sink + self.tail + self.exact_tiles + self.positions
 
     @property
     def bits_per_element(self) -> float:
@@ -44,11 +49,12 @@ class Bytes:
 
     def __add__(self, o: Bytes) -> Bytes:
         return Bytes(self.packed + o.packed, self.sink + o.sink, self.tail + o.tail,
-                     self.exact_tiles + o.exact_tiles, self.elements + o.elements)
+                     self.exact_tiles + o.exact_tiles, self.elements + o.elements, self.positions + o.positions)
 
     def as_dict(self) -> dict[str, float]:
         return {"packed": self.packed, "sink": self.sink, "tail": self.tail, "exact_tiles": self.exact_tiles,
-                "total": self.total, "elements": self.elements, "bits_per_element": self.bits_per_element}
+                "positions": self.positions, "total": self.total, "elements": self.elements,
+                "bits_per_element": self.bits_per_element}
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -59,13 +65,13 @@ class TensorStore:
     """Keys or values of one layer, [B, H, T, D]."""
 
     def __init__(self, quantizer: TileQuantizer | None, sink: int, flush: int, window: str = "block",
-                 keep_decoded: bool = False) -> None:
+                 keep_decoded: bool = False, exact_dtype: torch.dtype | None = None) -> None:
         if quantizer is not None and flush % quantizer.tile:
             raise ValueError(f"flush unit {flush} is not a multiple of the quantizer tile {quantizer.tile}")
         if window not in ("block", "sliding"):
             raise ValueError(f"window must be 'block' or 'sliding', got {window!r}")
         self.quantizer, self.sink_len, self.flush, self.window = quantizer, sink, flush, window
-        self.keep_decoded = keep_decoded
+        self.keep_decoded, self.exact_dtype = keep_decoded, exact_dtype
         self.sink: torch.Tensor | None = None  # [B, H, s, D]
         self.tail: torch.Tensor | None = None  # [B, H, t, D]
         self.packed = Packed()  # fields [B, H, n, ...]
@@ -85,6 +91,7 @@ class TensorStore:
         self.shape_bhd = (x.shape[0], x.shape[1], x.shape[3])
         self.dtype, self.device = x.dtype, x.device
         self.length += x.shape[2]
+        x = self._to_exact_dtype(x)
         room = self.sink_len - (0 if self.sink is None else self.sink.shape[2])
         if self.quantizer is None:
             room = x.shape[2]
@@ -95,6 +102,19 @@ class TensorStore:
             return
         self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=2)
         self._flush()
+
+    def _to_exact_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.exact_dtype
+        if e is None or e == x.dtype:
+            return x
+        finite = x[torch.isfinite(x)]
+        if finite.numel() and finite.abs().max() > torch.finfo(e).max:
+            # out of range: keep this store's exact regions in the incoming dtype from now on
+            self.exact_dtype = None
+            self.sink = None if self.sink is None else self.sink.to(x.dtype)
+            self.tail = None if self.tail is None else self.tail.to(x.dtype)
+            return x
+        return x.to(e)
 
     def _flush(self) -> None:
         t = self.tail.shape[2]
@@ -156,7 +176,8 @@ class TensorStore:
 
     def full(self) -> torch.Tensor:
         """[B, H, T, D]: sink, dequantized tiles and tail, in order (the reference read path)."""
-        parts = [p for p in (self.sink, self.dequantized_tiles(), self.tail) if p is not None and p.shape[2]]
+        parts = [p.to(self.dtype) for p in (self.sink, self.dequantized_tiles(), self.tail)
+                 if p is not None and p.shape[2]]
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
     @property
@@ -186,15 +207,15 @@ class LayerStore:
     """Keys and values of one attention layer under one preset."""
 
     def __init__(self, preset: Preset | str, head_dim: int, sink: int | None = None, quantize: bool = True,
-                 keep_decoded: bool = False) -> None:
+                 keep_decoded: bool = False, exact_dtype: torch.dtype | None = None) -> None:
         self.preset = get_preset(preset)
         s = self.preset.sink if sink is None else sink
         if s < 0:
             raise ValueError(f"sink must be >= 0, got {s}")
         kq, vq = self.preset.quantizers(head_dim) if quantize and self.preset.quantized else (None, None)
         p = self.preset
-        self.keys = TensorStore(kq, s, p.tile, "block", keep_decoded)
-        self.values = TensorStore(vq, s, p.tile, p.value_window, keep_decoded)
+        self.keys = TensorStore(kq, s, p.tile, "block", keep_decoded, exact_dtype)
+        self.values = TensorStore(vq, s, p.tile, p.value_window, keep_decoded, exact_dtype)
         self.head_dim = head_dim
 
     @property
