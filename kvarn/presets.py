@@ -125,8 +125,12 @@ def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | 
     def value(_: int) -> TileQuantizer:
         return AffineQuantizer(AffineConfig(v_bits, "token", rv, use_varn, tile=tile, scale_dtype=scale_dtype))
 
+    extra: dict[str, object] = {}
+    if scale_dtype != torch.float16:
+        extra["scale_dtype"] = str(scale_dtype).removeprefix("torch.")
+        desc += f" ({extra['scale_dtype']} scales" + (", fp16 zero points)" if scale_dtype.itemsize == 1 else ")")
     return Preset(name=name or f"{family}-k{k_bits}v{v_bits}-g{tile}", description=desc, key=key, value=value,
-                  tile=tile, family=family, k_bits=k_bits, v_bits=v_bits)
+                  tile=tile, family=family, k_bits=k_bits, v_bits=v_bits, extra=extra)
 
 
 def _register_family_presets() -> None:
@@ -136,6 +140,11 @@ def _register_family_presets() -> None:
                 name = f"{fam}-k{kb}v{vb}-g{g}"
                 register_preset(name, lambda f=fam, kb=kb, vb=vb, g=g: affine_preset(f, kb, vb, g))
         _ALIASES[fam] = f"{fam}-k2v2-g128"
+    # the paper's accounting (2.25 bits for k2v2 at D = G = 128): e4m3 scales, fp16 zero points.
+    # e4m3 tops out at 448: a tile whose scales exceed it is kept exact by the cache (and counted).
+    for kb, vb in BIT_PAIRS:
+        name = f"kvarn-k{kb}v{vb}-g128-fp8"
+        register_preset(name, lambda kb=kb, vb=vb, n=name: affine_preset("kvarn", kb, vb, 128, n, torch.float8_e4m3fn))
     register_preset("fp16", lambda: Preset("fp16", "no quantization (the reference)", None, None, family="fp16"))
 
 

@@ -32,6 +32,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"codes must be uint8, got {codes.dtype}")
     if bits == 8:
         return codes.contiguous()
+    if codes.numel() and int(codes.max()) >> bits:  # a wider code would spill into its neighbour's bits
+        raise ValueError(f"codes must be below 2^{bits} = {1 << bits} to pack {bits}-bit, got {int(codes.max())}")
     lead, n = codes.shape[:-1], codes.shape[-1]
     if bits == 3:
         g = codes.reshape(*lead, n // 8, 8).to(torch.int32)

@@ -48,6 +48,7 @@ class Packed:
         ok = None
         for t in self.fields.values():
             if t.is_floating_point():
+                t = t.float() if t.element_size() == 1 else t  # isfinite has no 8-bit float kernels
                 f = torch.isfinite(t).reshape(t.shape[0], -1).all(dim=1)
                 ok = f if ok is None else ok & f
         if ok is None:
