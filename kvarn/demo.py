@@ -46,15 +46,37 @@ class MethodResult:
     kl: list[float] = field(repr=False, default_factory=list)
 
 
-def _run_method(model, method: str, ids: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: torch.Tensor,
-                sink: int | None, progress) -> MethodResult:
-    preset = get_preset(method)
-    cache = make_cache(model, preset, sink)
-    seq = torch.cat([ids, ref_tokens[None, :-1]], dim=1)  # the answer's last token is never fed
-    task = progress.add_task(f"{method:>18}", total=ref_tokens.numel() - 1)
+@torch.no_grad()
+def greedy_reference(model, tok, ids: torch.Tensor, new_tokens: int, on_step=None):
+    """FP16 greedy answer of exactly `new_tokens` tokens (EOS suppressed) and its logits.
+
+    Returns (tokens [n], logits [n, V], seconds, cache)."""
+    cache = make_cache(model, "fp16")
+
+    class _Tick:  # streamer protocol: put() once for the prompt, then once per generated token
+        def put(self, _):
+            if on_step is not None:
+                on_step()
+
+        def end(self):
+            pass
+
     t0 = time.perf_counter()
-    logits = teacher_forced_logits(model, seq, cache, prefill=ids.shape[1],
-                                   on_step=lambda _: progress.advance(task))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
+                         temperature=None, top_p=None, top_k=None, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=tok.pad_token_id, streamer=_Tick())
+    dt = time.perf_counter() - t0
+    return out.sequences[0, ids.shape[1]:], torch.stack([x[0].float() for x in out.logits]), dt, cache
+
+
+def follow_reference(model, method: str, ids: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: torch.Tensor,
+                     sink: int | None = None, on_step=None) -> MethodResult:
+    """Teacher-force the reference answer through a cache of `method` (see the module docstring)."""
+    cache = make_cache(model, get_preset(method), sink)
+    seq = torch.cat([ids, ref_tokens[None, :-1]], dim=1)  # the answer's last token is never fed
+    t0 = time.perf_counter()
+    logits = teacher_forced_logits(model, seq, cache, prefill=ids.shape[1], on_step=on_step)
     dt = time.perf_counter() - t0
     kl = kl_divergence(ref_logits, logits)
     match = logits.argmax(-1) == ref_tokens
@@ -83,33 +105,19 @@ def run_demo(model_name: str = "default", methods: tuple[str, ...] = DEFAULT_MET
     ids = chat_prompt(tok, prompt)
     results: list[MethodResult] = []
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*cols) as progress, torch.no_grad():
-        # FP16 reference: a real greedy generation, logits kept
-        cache = make_cache(model, "fp16")
-        task = progress.add_task(f"{'fp16 generate':>18}", total=new_tokens)
-
-        class _Tick:
-            def put(self, _):  # streamer protocol: one call per generated step (plus one for the prompt)
-                progress.advance(task)
-
-            def end(self):
-                pass
-
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
-                             temperature=None, top_p=None, top_k=None, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=tok.pad_token_id, streamer=_Tick())
-        dt = time.perf_counter() - t0
-        ref_tokens = out.sequences[0, ids.shape[1]:]
-        ref_logits = torch.stack([x[0].float() for x in out.logits])
+    with Progress(*cols) as progress:
+        task = progress.add_task(f"{'fp16 generate':>18}", total=new_tokens + 1)
+        ref_tokens, ref_logits, dt, cache = greedy_reference(model, tok, ids, new_tokens,
+                                                             lambda: progress.advance(task))
         b = cache.nbytes()
         for method in methods:
             if method == "fp16":
                 results.append(MethodResult("fp16", b.bits_per_element, b.total, cache.fp16_nbytes(),
                                             new_tokens / dt, None, 1.0, 0.0, 0.0, [0.0] * new_tokens))
-            else:
-                results.append(_run_method(model, method, ids, ref_tokens, ref_logits, sink, progress))
+                continue
+            task = progress.add_task(f"{method:>18}", total=new_tokens - 1)
+            results.append(follow_reference(model, method, ids, ref_tokens, ref_logits, sink,
+                                            lambda _, task=task: progress.advance(task)))
     return {
         "provenance": provenance(model=model_name, methods=list(methods), new_tokens=new_tokens, sink=sink,
                                  attention=attention, prompt=prompt, prompt_tokens=ids.shape[1]),
