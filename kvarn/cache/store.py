@@ -13,19 +13,24 @@ tiles are appended along axis 2 and tile j always covers the same positions for 
 A tile whose input holds NaN/Inf, or whose stored scales overflow, is kept exact instead (`exact_*`),
 counted in the bytes, and restored bit-for-bit on read.
 
-`exact_dtype` sets the dtype of the full-precision regions (sink, tail); None keeps the incoming dtype.
-A 16-bit choice for a float32 model matches what an fp16 deployment holds; a store that meets a value
-out of that dtype's range switches its regions back to the incoming dtype rather than overflow.
+`exact_dtype` sets the dtype of the sink, kept for good; None keeps the incoming dtype. A 16-bit choice
+for a float32 model matches what an fp16 deployment holds; a store that meets a value out of that
+dtype's range keeps its sink in the incoming dtype rather than overflow. The tail (fewer than a tile of
+tokens, transient) stays in the incoming dtype, so tiles are quantized, or kept exact, from the values
+the model produced.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvarn.presets import Preset, get_preset
 from kvarn.quant.base import Packed, TileQuantizer
+from kvarn.quant.policy import QueryEnergy
 
 
 @dataclass
@@ -80,10 +85,13 @@ class TensorStore:
         self.exact_values: torch.Tensor | None = None  # [n_exact, G_q, D]
         self._decoded: torch.Tensor | None = None  # [B, H, n*G_q, D], only with keep_decoded
         self.length = 0
+        # per-channel weight [B, H, D] handed to quantizers that take one (rotation policy, kvarn.quant.policy)
+        self.weight_source: Callable[[], torch.Tensor | None] | None = None
 
     # -- writing ---------------------------------------------------------------------------------------
-    def append(self, x: torch.Tensor) -> None:
-        """x [B, H, t, D]: append t tokens; complete tiles are quantized once."""
+    def append(self, x: torch.Tensor, flush: bool = True) -> None:
+        """x [B, H, t, D]: append t tokens; complete tiles are quantized once (later, with flush=False:
+        they wait in the tail until `flush_pending`)."""
         if x.dim() != 4:
             raise ValueError(f"expected [batch, heads, tokens, head_dim], got shape {tuple(x.shape)}")
         if self.length and (x.shape[0], x.shape[1], x.shape[3]) != self.shape_bhd:
@@ -91,17 +99,22 @@ class TensorStore:
         self.shape_bhd = (x.shape[0], x.shape[1], x.shape[3])
         self.dtype, self.device = x.dtype, x.device
         self.length += x.shape[2]
-        x = self._to_exact_dtype(x)
         room = self.sink_len - (0 if self.sink is None else self.sink.shape[2])
         if self.quantizer is None:
             room = x.shape[2]
         if room > 0:
-            head, x = x[:, :, :room], x[:, :, room:]
+            head, x = self._to_exact_dtype(x[:, :, :room]), x[:, :, room:]
             self.sink = head if self.sink is None else torch.cat([self.sink, head], dim=2)
         if x.shape[2] == 0:
             return
         self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=2)
-        self._flush()
+        if flush:
+            self._flush()
+
+    def flush_pending(self) -> None:
+        """Quantize the complete tiles still waiting in the tail (after `append(..., flush=False)`)."""
+        if self.quantizer is not None and self.tail is not None:
+            self._flush()
 
     def _to_exact_dtype(self, x: torch.Tensor) -> torch.Tensor:
         e = self.exact_dtype
@@ -109,10 +122,9 @@ class TensorStore:
             return x
         finite = x[torch.isfinite(x)]
         if finite.numel() and finite.abs().max() > torch.finfo(e).max:
-            # out of range: keep this store's exact regions in the incoming dtype from now on
+            # out of range: keep this store's sink in the incoming dtype from now on
             self.exact_dtype = None
             self.sink = None if self.sink is None else self.sink.to(x.dtype)
-            self.tail = None if self.tail is None else self.tail.to(x.dtype)
             return x
         return x.to(e)
 
@@ -136,7 +148,15 @@ class TensorStore:
         finite = torch.isfinite(flat).flatten(1).all(dim=1)
         if not finite.all():
             flat = torch.where(finite.view(-1, 1, 1), flat, torch.zeros_like(flat))
-        packed = self.quantizer.encode(flat)
+        w = self.weight_source() if self.weight_source is not None else None  # [B, H, D]
+        if w is None and self.weight_source is not None:
+            warnings.warn("kvarn: key tiles stored before any query was observed (attention implementation "
+                          "'eager'?); the rotation choice falls back to unweighted squared error", stacklevel=2)
+        if w is None:
+            packed = self.quantizer.encode(flat)
+        else:  # one weight row per tile, in flat's (b, h, tile) order
+            packed = self.quantizer.encode(flat, weight=w.to(flat.device).unsqueeze(2).expand(b, h, n // g, d)
+                                           .reshape(-1, d))
         exact = ~(finite & packed.finite_tiles().to(finite.device))
         m = n // g
         if exact.any():
@@ -178,6 +198,8 @@ class TensorStore:
         """[B, H, T, D]: sink, dequantized tiles and tail, in order (the reference read path)."""
         parts = [p.to(self.dtype) for p in (self.sink, self.dequantized_tiles(), self.tail)
                  if p is not None and p.shape[2]]
+        if not parts:
+            raise ValueError("the store holds no tokens yet")
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
     @property
@@ -217,21 +239,44 @@ class LayerStore:
         self.keys = TensorStore(kq, s, p.tile, "block", keep_decoded, exact_dtype)
         self.values = TensorStore(vq, s, p.tile, p.value_window, keep_decoded, exact_dtype)
         self.head_dim = head_dim
+        # key rotation chosen per tile from the running query energy (rotate="auto", kvarn.quant.policy)
+        self.queries = QueryEnergy() if getattr(kq, "takes_weight", False) else None
+        if self.queries is not None:
+            self.keys.weight_source = self.queries.weight
 
     @property
     def length(self) -> int:
         return self.keys.length
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, defer_keys: bool = False) -> None:
         if k.shape[:3] != v.shape[:3]:
             raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} disagree on [B, H, T]")
         if k.shape[-1] != self.head_dim:
             raise ValueError(f"head_dim {k.shape[-1]} does not match the store's {self.head_dim}")
-        self.keys.append(k)
+        self.settle()
+        # defer_keys: the caller promises `observe_queries` for these tokens, so their key tiles are chosen
+        # with the statistics of the queries that arrive with them (a prompt's own queries)
+        self.keys.append(k, flush=not (defer_keys and self.queries is not None))
         self.values.append(v)
 
+    def observe_queries(self, q: torch.Tensor) -> None:
+        """q [B, Hq, t, D] (after RoPE, as attention sees them): update the running query energy that the key
+        rotation policy weighs errors with, then quantize key tiles left pending by `append(defer_keys=True)`."""
+        if self.queries is None:
+            return
+        if not self.keys.length:
+            raise ValueError("observe_queries before any key was appended: the number of KV heads is unknown")
+        self.queries.update(q, self.keys.shape_bhd[1])
+        self.settle()
+
+    def settle(self) -> None:
+        """Quantize key tiles that completed but wait for their queries (no-op when none)."""
+        self.keys.flush_pending()
+
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.settle()
         return self.keys.full(), self.values.full()
 
     def nbytes(self) -> Bytes:
+        self.settle()
         return self.keys.nbytes() + self.values.nbytes()

@@ -1,2 +1,22 @@
 """Evaluation harness: each analysis is a module exposing `COMMAND`, `add_arguments(parser)` and
-`run(args)`; `kvarn eval <COMMAND>` discovers them. Shared pieces live in `common.py`."""
+`run(args)`; `kvarn eval <COMMAND>` discovers them (`analyses()`). Shared pieces live in `common.py`
+(text, KL, provenance, results files), `forward.py` (caches, hooks), `engine.py` (block-by-block runs in
+lockstep with the reference), `plots.py` and `schema.py`."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+
+def analyses() -> dict[str, ModuleType]:
+    """COMMAND -> module, for every analysis module of this package (sorted by command)."""
+    found: dict[str, ModuleType] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        command = getattr(module, "COMMAND", None)
+        if isinstance(command, str) and callable(getattr(module, "add_arguments", None)) \
+                and callable(getattr(module, "run", None)):
+            found[command] = module
+    return dict(sorted(found.items()))

@@ -7,6 +7,8 @@ The last axis must be a multiple of the codes per byte (per group of 8 for b = 3
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -49,8 +51,18 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def unpack_codes(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tensor:
-    """Inverse of `pack_codes`: packed uint8 [..., m] -> codes uint8 [..., m * 8 / bits]."""
+def _words_ok(packed: torch.Tensor, bits: int) -> bool:
+    """Whether `packed` can be read as little-endian int32 words (4 bytes at once) for 1/2/4-bit codes."""
+    return (bits in (1, 2, 4) and sys.byteorder == "little" and packed.dim() > 0 and packed.shape[-1] % 4 == 0
+            and packed.stride(-1) == 1 and packed.storage_offset() % 4 == 0
+            and all(st % 4 == 0 for st in packed.stride()[:-1]))
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int | None = None,
+                 dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Inverse of `pack_codes`: packed uint8 [..., m] -> codes [..., m * 8 / bits] in `dtype` (uint8 by default;
+    a float dtype feeds a matmul directly, read 4 bytes at a time as one little-endian int32 word, where code j of
+    the word sits at bits [j*b, (j+1)*b): the same stream, fewer and wider shifts)."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
     m = packed.shape[-1]
@@ -59,14 +71,18 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int | None = None) -> torch
         raise ValueError(f"{m} bytes of {bits}-bit codes hold {total} codes, not {n}")
     _check(total, bits)
     if bits == 8:
-        return packed
+        return packed.to(dtype)
     lead = packed.shape[:-1]
     mask = (1 << bits) - 1
+    if dtype != torch.uint8 and _words_ok(packed, bits):
+        words = packed.view(torch.int32)  # [..., m/4]
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+        return ((words.unsqueeze(-1) >> shifts) & mask).reshape(*lead, total).to(dtype)
     if bits == 3:
         b = packed.reshape(*lead, m // 3, 3).to(torch.int32)
         word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
         out = torch.stack([(word >> (3 * j)) & mask for j in range(8)], dim=-1)
-        return out.to(torch.uint8).reshape(*lead, total)
+        return out.to(dtype).reshape(*lead, total)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     out = (packed.unsqueeze(-1) >> shifts) & mask
-    return out.reshape(*lead, total)
+    return out.reshape(*lead, total).to(dtype)

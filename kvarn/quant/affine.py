@@ -10,13 +10,13 @@ Stored (scales in `scale_dtype`, fp16 by default):
     row_scale [R]  a = s_r * delta
     row_zero  [R]  z = s_r * lo
     col_scale [C]  t = s_c          (only with VarN)
-    rotated   []   uint8 flag       (only when the rotation is chosen per tile, rotate="auto")
+    rotated   []   uint8 flag       (only with rotate="auto": chosen per tile, `kvarn.quant.policy`)
 Reconstruction: X^[r, c] = (q[r, c] * a_r + z_r) * t_c, transposed back, then @ H where rotated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,22 +27,41 @@ from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
 from kvarn.ops.varn import DEFAULT_ITERS, varn
 from kvarn.quant.base import Packed, TileQuantizer, check_tiles
+from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy
 
 Axis = Literal["channel", "token"]
 Rotate = Literal["none", "hadamard", "auto"]
 
-# Chooses, per tile, whether the rotated encoding is kept: (x [N,G,D], rotated x^, plain x^) -> bool [N].
-RotationPolicy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+def zero_dtype(scale_dtype: torch.dtype) -> torch.dtype:
+    """The zero point keeps 16 bits when the scales are 8-bit floats (the paper's fp8 accounting):
+    it is an offset of the size of the values themselves, which e4m3's 3 mantissa bits cannot carry."""
+    return torch.float16 if scale_dtype.itemsize == 1 else scale_dtype
 
 
-def channel_normalized_error(x: torch.Tensor, x_rot: torch.Tensor, x_plain: torch.Tensor) -> torch.Tensor:
-    """Default auto policy: keep the rotation where it gives the lower squared error with each channel
-    normalized by its std over the tile. Channels of low variance carry as much logit information as
-    the few high-variance ones, which is what a rotation destroys on Qwen2-like keys."""
-    w = x.float().var(dim=-2, keepdim=True).clamp_min(1e-12).reciprocal()
-    e_rot = ((x_rot.float() - x.float()) ** 2 * w).sum(dim=(-1, -2))
-    e_plain = ((x_plain.float() - x.float()) ** 2 * w).sum(dim=(-1, -2))
-    return e_rot < e_plain
+def store_scale(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast a scale vector to its storage dtype. fp16 overflows to inf, but 8-bit floats (e4m3fn has no
+    inf) saturate silently on the cast, so out-of-range values become NaN first: either way the tile is
+    reported by `Packed.finite_tiles` and the cache keeps it exact."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        v = torch.where(v.abs() <= torch.finfo(dtype).max, v, torch.full_like(v, float("nan")))
+    return v.to(dtype)
+
+
+def relative_col_scales(x: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """8-bit VarN column scales without their range and rounding problems, for X [..., R, C]:
+
+        m = max_c s_col,   t = round_dtype(max(s_col / m, tiny))  in (0, 1]    (stored in `dtype`)
+        s_row' = s_row * m                                                     (folded into a, z: 16-bit)
+        B = X / t[cols] / s_row'[rows]                                         (recomputed with the stored t)
+
+    The reconstruction (q a + z) t then uses exactly the scales that normalized B, so rounding t to 3 mantissa
+    bits only changes how well B is balanced, never the magnitude of a token. Returns (B, t as float, s_row')."""
+    m = s_col.amax(-1, keepdim=True)  # [..., 1]
+    t = (s_col / m).clamp_min(torch.finfo(dtype).tiny).to(dtype).float()
+    s_row = s_row * m
+    return x / t.unsqueeze(-2) / s_row.unsqueeze(-1), t, s_row
 
 
 @dataclass(frozen=True)
@@ -54,12 +73,13 @@ class AffineConfig:
     varn_iters: int = DEFAULT_ITERS
     tile: int = 128
     scale_dtype: torch.dtype = torch.float16
+    col_scale_dtype: torch.dtype | None = None  # VarN column scales; None: scale_dtype (see relative_col_scales)
 
 
 class AffineQuantizer(TileQuantizer):
     """RTN per row with optional rotation and VarN; `axis` picks the rows (keys: channel, values: token)."""
 
-    def __init__(self, config: AffineConfig, policy: RotationPolicy = channel_normalized_error) -> None:
+    def __init__(self, config: AffineConfig, policy: str | RotationPolicy = DEFAULT_POLICY) -> None:
         check_bits(config.bits)
         if config.axis not in ("channel", "token"):
             raise ValueError(f"axis must be 'channel' or 'token', got {config.axis!r}")
@@ -67,7 +87,7 @@ class AffineQuantizer(TileQuantizer):
             raise ValueError(f"rotate must be 'none', 'hadamard' or 'auto', got {config.rotate!r}")
         self.config = config
         self.tile = config.tile
-        self.policy = policy
+        self.policy = get_policy(policy)  # rotate="auto" only: kvarn.quant.policy
         parts = ["rot" if config.rotate == "hadamard" else config.rotate if config.rotate == "auto" else "",
                  "varn" if config.varn else "", f"rtn{config.bits}", config.axis]
         self.name = "-".join(p for p in parts if p)
@@ -81,18 +101,21 @@ class AffineQuantizer(TileQuantizer):
 
     def _encode_rows(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         c = self.config
+        col_dtype = c.col_scale_dtype or c.scale_dtype
         if c.varn:
             b, s_col, s_row = varn(x, c.varn_iters)
+            if c.col_scale_dtype is not None and col_dtype.itemsize == 1:
+                b, s_col, s_row = relative_col_scales(x.float(), s_col, s_row, col_dtype)
         else:
             b, s_col, s_row = x, None, None
         q, delta, lo = rtn_quantize(b, c.bits)
         delta, lo = delta.squeeze(-1), lo.squeeze(-1)
         if s_row is not None:
             delta, lo = delta * s_row, lo * s_row
-        out = {"codes": pack_codes(q, c.bits), "row_scale": delta.to(c.scale_dtype),
-               "row_zero": lo.to(c.scale_dtype)}
+        out = {"codes": pack_codes(q, c.bits), "row_scale": store_scale(delta, c.scale_dtype),
+               "row_zero": store_scale(lo, zero_dtype(c.scale_dtype))}
         if s_col is not None:
-            out["col_scale"] = s_col.to(c.scale_dtype)
+            out["col_scale"] = store_scale(s_col, col_dtype)
         return out
 
     def _decode_rows(self, p: Packed) -> torch.Tensor:
@@ -101,8 +124,17 @@ class AffineQuantizer(TileQuantizer):
         col = p.get("col_scale")
         return x * col.float().unsqueeze(-2) if col is not None else x
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    @property
+    def takes_weight(self) -> bool:
+        """encode() uses a per-channel weight (running query energy) to choose the rotation."""
+        return self.config.rotate == "auto"
+
+    def encode(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Packed:
+        """x [N, G, D] -> Packed. weight [N, D] (rotate="auto" only): per-channel weight of the policy's error,
+        the running query energy E[q_d^2] of the tile's KV head (`kvarn.quant.policy`); None = all ones."""
         check_tiles(x, self.tile)
+        if weight is not None and weight.shape != (x.shape[0], x.shape[2]):
+            raise ValueError(f"weight must be [N, D] = {(x.shape[0], x.shape[2])}, got {tuple(weight.shape)}")
         w = x.float()
         if self.config.rotate == "none":
             return Packed(self._encode_rows(self._to_rows(w)))
@@ -112,7 +144,7 @@ class AffineQuantizer(TileQuantizer):
         plain = self._encode_rows(self._to_rows(w))
         x_rot = hadamard_transform(self._from_rows(self._decode_rows(Packed(rot))))
         x_plain = self._from_rows(self._decode_rows(Packed(plain)))
-        keep = self.policy(w, x_rot, x_plain)
+        keep = self.policy(w, x_rot, x_plain, weight).to(x.device)
         fields = {k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, plain[k]) for k, v in rot.items()}
         fields["rotated"] = keep.to(torch.uint8)
         return Packed(fields)
@@ -135,4 +167,5 @@ class AffineQuantizer(TileQuantizer):
     def describe(self) -> Mapping[str, object]:
         c = self.config
         return {"name": self.name, "tile": c.tile, "bits": c.bits, "axis": c.axis, "rotate": c.rotate,
-                "varn": c.varn, "varn_iters": c.varn_iters, "scale_dtype": str(c.scale_dtype).removeprefix("torch.")}
+                "varn": c.varn, "varn_iters": c.varn_iters, "scale_dtype": str(c.scale_dtype).removeprefix("torch."),
+                **({"col_scale_dtype": str(c.col_scale_dtype).removeprefix("torch.")} if c.col_scale_dtype else {})}

@@ -1,0 +1,346 @@
+"""Attention straight from the packed cache (SPEC §4), registered as attn_implementation "kvarn".
+
+Hand-off from the cache: under "kvarn", `KVarNLayer.update` returns the *fresh* K/V of the current tokens and attaches
+a `KVarNPast` (views of the stored keys and values, taken before the fresh tokens were appended) to the returned key
+tensor (`attach_past` / `past_of`). The modeling code passes that tensor untouched to the attention function. A key
+without a past (empty cache, sliding-window layers, another cache class) is ordinary attention over `key`/`value`.
+
+For one layer, queries q [B, Hq, L, D] and KV heads Hkv (GQA groups g = Hq / Hkv): q is regrouped to
+[B, Hkv, M = g*L, D], so one pass over a KV head serves all its query heads. Key segments, in position order:
+
+    sink (exact) | packed tiles | tail (exact) | fresh keys (exact)
+
+Logits of every segment are computed exactly, concatenated, masked, soft-capped if asked, and go through ONE
+softmax (exact logits concatenated, not an online log-sum-exp: on CPU the full logit row of a decode step is small);
+the probabilities are split by the value store's own segment boundaries (values may flush on a sliding window).
+
+Packed tiles of an `AffineQuantizer` (the KVarN family), with W~ the tile in the (possibly) rotated basis:
+    keys, rows = channels:   W~[g, d] = (code[d, g] a_d + z_d) t_g
+        logit_g = t_g (sum_d (q~_d a_d) code[d, g] + sum_d q~_d z_d)        a, z folded into the query per tile
+    keys, rows = tokens:     W~[g, d] = (code[g, d] a_g + z_g) c_d
+        logit_g = a_g sum_d (q~_d c_d) code[g, d] + z_g sum_d q~_d c_d
+    values, rows = tokens:   o~_d += c_d (sum_g (p_g a_g) code[g, d] + sum_g p_g z_g)   a, z folded into p, c after
+    values, rows = channels: o~_d += a_d sum_g (p_g t_g) code[d, g] + z_d sum_g p_g t_g
+with q~ = q H on rotated tiles (per-tile flag for rotate="auto", computed once) and the value output rotated back,
+o = (sum over rotated tiles of o~) H + (sum over plain tiles of o~). Both products with H are dense matmuls with the
+matrix of `ops.hadamard` (only M = groups * L rows each, where one matmul is cheaper than the butterfly's stages).
+Codes are unpacked with `ops.unpack_codes` and everything is vectorized over batch, heads and tiles; tiles are
+processed in chunks of bounded size
+(`TILE_CHUNK_ELEMENTS` unpacked codes) so the full-precision K/V of the whole context is never materialized at once.
+Tiles kept exact (non-finite input) have all-zero packed fields, so they contribute exactly 0 above; their logits
+are overwritten and their value contributions added from the exact copies.
+
+Other quantizers (baselines) and keys stored before RoPE take the fallback: each chunk of tiles is decoded
+(`StoredKV.decode_tiles`) and multiplied like an exact segment, inside the same single softmax.
+
+Compute dtype: float32 (float64 for float64 queries). Dropout is not supported (inference only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvarn.attention.view import StoredKV
+from kvarn.ops.hadamard import hadamard_matrix
+from kvarn.ops.packing import unpack_codes
+from kvarn.quant.affine import AffineQuantizer
+
+TILE_CHUNK_ELEMENTS = 1 << 22  # unpacked codes (or decoded elements) per chunk of tiles
+LOGIT_CHUNK_ELEMENTS = 1 << 24  # logits per chunk of queries (long prefills on a filled cache)
+
+
+_H: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x @ H along the last axis with the dense matrix of `ops.hadamard` (cached per size, dtype, device). Here x
+    is a query or an output, M x D with M small: one matmul beats the log2(D) butterfly stages on CPU."""
+    key = (x.shape[-1], x.dtype, x.device)
+    h = _H.get(key)
+    if h is None:
+        h = _H[key] = hadamard_matrix(x.shape[-1], x.dtype, x.device)
+    return x @ h
+
+
+@dataclass(frozen=True)
+class KVarNPast:
+    """What one layer held before the current tokens were appended."""
+
+    keys: StoredKV | None
+    values: StoredKV | None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.length
+
+
+def attach_past(key: torch.Tensor, past: KVarNPast) -> torch.Tensor:
+    """An alias of `key` carrying `past` (the caller's tensor is left untouched)."""
+    out = key.view_as(key)
+    out.kvarn_past = past
+    return out
+
+
+def attach_observer(key: torch.Tensor, observe) -> torch.Tensor:
+    """`key` (aliased unless it already is one of ours) carrying `observe(query)`, which the "kvarn" attention
+    function calls with the queries that read it (the store's running query statistics, kvarn.quant.policy)."""
+    out = key if hasattr(key, "kvarn_past") else key.view_as(key)
+    out.kvarn_observe = observe
+    return out
+
+
+def observing(attention):
+    """`attention(module, query, key, ...)` that first calls the observer attached to `key`, if any."""
+    if getattr(attention, "kvarn_observing", False):
+        return attention
+
+    def observed(module, query, key, *args, **kwargs):
+        observe = getattr(key, "kvarn_observe", None)
+        if observe is not None:
+            observe(query)
+        return attention(module, query, key, *args, **kwargs)
+
+    observed.kvarn_observing = True
+    return observed
+
+
+def past_of(key: torch.Tensor) -> KVarNPast | None:
+    return getattr(key, "kvarn_past", None)
+
+
+# -- masks ----------------------------------------------------------------------------------------------------
+def allowed(mask: torch.Tensor | None, b: int, length: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean [B or 1, 1 or H, L, kv_len] of allowed (query, key) pairs. None means causal, bottom-right aligned:
+    query i (at position kv_len - L + i) sees keys 0 .. kv_len - L + i. Float masks are additive (-inf = masked)."""
+    if mask is None:
+        qi = torch.arange(length, device=device).unsqueeze(1) + (kv_len - length)
+        return (torch.arange(kv_len, device=device).unsqueeze(0) <= qi).view(1, 1, length, kv_len)
+    if mask.dim() != 4 or mask.shape[-1] != kv_len or mask.shape[-2] != length:
+        raise ValueError(f"attention mask of shape {tuple(mask.shape)} does not fit {length} queries over "
+                         f"{kv_len} keys")
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
+def _additive(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return mask if mask is not None and mask.dtype != torch.bool else None
+
+
+def _group_mask(m: torch.Tensor, hkv: int, g: int) -> torch.Tensor:
+    """[B, 1 or Hq, L, T] -> [B, 1 or Hkv, g*L, T], the row order of the regrouped queries."""
+    b, h, length, t = m.shape
+    if h == 1:
+        return m.unsqueeze(2).expand(b, 1, g, length, t).reshape(b, 1, g * length, t)
+    return m.reshape(b, hkv, g * length, t)
+
+
+# -- packed tiles -----------------------------------------------------------------------------------------------
+def _tile_chunk(view: StoredKV, rows: int) -> int:
+    b, h, d = view.shape_bhd
+    per_tile = b * h * view.tile * max(d, rows)
+    return max(1, TILE_CHUNK_ELEMENTS // per_tile)
+
+
+def _fields(view: StoredKV, first: int, last: int, cd: torch.dtype):
+    """Unpacked codes [B, H, n, R, C] and scales (row a, row z [B, H, n, R], col [B, H, n, C] or None, rotation
+    flags [B, H, n] bool or None) of tiles [first, last), in the compute dtype."""
+    q: AffineQuantizer = view.quantizer
+    f = view.packed.fields
+    codes = unpack_codes(f["codes"][:, :, first:last], q.config.bits, dtype=cd)
+    a = f["row_scale"][:, :, first:last].to(cd)
+    z = f["row_zero"][:, :, first:last].to(cd)
+    col = f["col_scale"][:, :, first:last].to(cd) if "col_scale" in f else None
+    flag = f["rotated"][:, :, first:last].bool() if "rotated" in f else None
+    return codes, a, z, col, flag
+
+
+def _rotated_query(qs: torch.Tensor, qh: torch.Tensor | None, rotate: str, flag: torch.Tensor | None) -> torch.Tensor:
+    """The query in each tile's basis: [B, H, n or 1, M, D]."""
+    if rotate == "none":
+        return qs.unsqueeze(2)
+    if rotate == "hadamard":
+        return qh.unsqueeze(2)
+    return torch.where(flag[..., None, None], qh.unsqueeze(2), qs.unsqueeze(2))
+
+
+def _affine_key_logits(qs: torch.Tensor, qh: torch.Tensor | None, view: StoredKV, first: int, last: int,
+                       cd: torch.dtype) -> torch.Tensor:
+    """qs [B, H, M, D] -> logits [B, H, M, (last - first) * G] of packed key tiles."""
+    codes, a, z, col, flag = _fields(view, first, last, cd)
+    qt = _rotated_query(qs, qh, view.quantizer.config.rotate, flag)  # [B, H, n|1, M, D]
+    if view.quantizer.config.axis == "channel":  # codes [B, H, n, D, G]
+        s = (qt * a.unsqueeze(3)) @ codes + (qt * z.unsqueeze(3)).sum(-1, keepdim=True)
+        if col is not None:
+            s = s * col.unsqueeze(3)
+    else:  # codes [B, H, n, G, D]
+        qc = qt * col.unsqueeze(3) if col is not None else qt
+        s = (qc @ codes.transpose(-1, -2)) * a.unsqueeze(3) + z.unsqueeze(3) * qc.sum(-1, keepdim=True)
+    b, h, n, m, g = s.shape
+    return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n * g)
+
+
+def _affine_value_out(p: torch.Tensor, view: StoredKV, first: int, last: int, cd: torch.dtype) -> torch.Tensor:
+    """p [B, H, M, (last - first) * G] -> output [B, H, M, D] of packed value tiles (rotated back)."""
+    codes, a, z, col, flag = _fields(view, first, last, cd)
+    b, h, m, _ = p.shape
+    n = last - first
+    pt = p.reshape(b, h, m, n, view.tile).transpose(2, 3)  # [B, H, n, M, G]
+    if view.quantizer.config.axis == "token":  # codes [B, H, n, G, D]
+        o = (pt * a.unsqueeze(3)) @ codes + (pt * z.unsqueeze(3)).sum(-1, keepdim=True)
+        if col is not None:
+            o = o * col.unsqueeze(3)
+    else:  # codes [B, H, n, D, G]
+        pc = pt * col.unsqueeze(3) if col is not None else pt
+        o = (pc @ codes.transpose(-1, -2)) * a.unsqueeze(3) + z.unsqueeze(3) * pc.sum(-1, keepdim=True)
+    rotate = view.quantizer.config.rotate
+    if rotate == "none":
+        return o.sum(2)
+    if rotate == "hadamard":
+        return _hadamard(o.sum(2))
+    f = flag[..., None, None]
+    return _hadamard(torch.where(f, o, 0).sum(2)) + torch.where(f, 0, o).sum(2)
+
+
+def _packed_fast(view: StoredKV) -> bool:
+    return isinstance(view.quantizer, AffineQuantizer) and view.post is None
+
+
+def _tile_key_logits(qs: torch.Tensor, view: StoredKV, cd: torch.dtype) -> torch.Tensor:
+    """Logits [B, H, M, n*G] of every packed key tile, chunk by chunk."""
+    fast = _packed_fast(view)
+    qh = None
+    if fast and view.quantizer.config.rotate != "none":
+        qh = _hadamard(qs)  # q~ = q H, once
+    step = _tile_chunk(view, qs.shape[2])
+    parts = []
+    for first in range(0, view.n_tiles, step):
+        last = min(first + step, view.n_tiles)
+        if fast:
+            parts.append(_affine_key_logits(qs, qh, view, first, last, cd))
+        else:
+            parts.append(qs @ view.decode_tiles(first, last, cd).transpose(-1, -2))
+    s = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    ex = view.exact_in(0, view.n_tiles) if fast else None  # decode_tiles already restored them
+    if ex is not None:
+        i, v = ex
+        b, h, m, _ = s.shape
+        s5 = s.view(b, h, m, view.n_tiles, view.tile)
+        s5[i[:, 0], i[:, 1], :, i[:, 2]] = qs[i[:, 0], i[:, 1]] @ v.to(cd).transpose(-1, -2)
+    return s
+
+
+def _tile_value_out(p: torch.Tensor, view: StoredKV, cd: torch.dtype) -> torch.Tensor:
+    """Output [B, H, M, D] of every packed value tile for probabilities p [B, H, M, n*G]."""
+    fast = _packed_fast(view)
+    step = _tile_chunk(view, p.shape[2])
+    g = view.tile
+    out = None
+    for first in range(0, view.n_tiles, step):
+        last = min(first + step, view.n_tiles)
+        pc = p[..., first * g:last * g]
+        o = _affine_value_out(pc, view, first, last, cd) if fast else pc @ view.decode_tiles(first, last, cd)
+        out = o if out is None else out + o
+    ex = view.exact_in(0, view.n_tiles) if fast else None
+    if ex is not None:
+        i, v = ex
+        b, h, m, _ = p.shape
+        pe = p.view(b, h, m, view.n_tiles, g)[i[:, 0], i[:, 1], :, i[:, 2]]  # [k, M, G]
+        out = out.index_put((i[:, 0], i[:, 1]), pe @ v.to(cd), accumulate=True)
+    return out
+
+
+# -- one softmax over all segments ------------------------------------------------------------------------------
+def _key_logits(qs: torch.Tensor, view: StoredKV | None, k_new: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    parts = []
+    if view is not None:
+        sink = view.sink_rows(cd)
+        if sink is not None:
+            parts.append(qs @ sink.transpose(-1, -2))
+        if view.n_tiles:
+            parts.append(_tile_key_logits(qs, view, cd))
+        tail = view.tail_rows(cd)
+        if tail is not None:
+            parts.append(qs @ tail.transpose(-1, -2))
+    parts.append(qs @ k_new.to(cd).transpose(-1, -2))
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
+def _value_out(p: torch.Tensor, view: StoredKV | None, v_new: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    out = p[..., p.shape[-1] - v_new.shape[2]:] @ v_new.to(cd)
+    if view is None:
+        return out
+    at = 0
+    sink = view.sink_rows(cd)
+    if sink is not None:
+        out = out + p[..., :sink.shape[2]] @ sink
+        at = sink.shape[2]
+    if view.n_tiles:
+        n = view.n_tiles * view.tile
+        out = out + _tile_value_out(p[..., at:at + n], view, cd)
+        at += n
+    tail = view.tail_rows(cd)
+    if tail is not None:
+        out = out + p[..., at:at + tail.shape[2]] @ tail
+    return out
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast | None,
+                     attention_mask: torch.Tensor | None = None, scaling: float | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """softmax(q K^T * scaling [softcapped] + mask) V over [stored past | fresh key/value]; returns [B, L, Hq, D].
+
+    query [B, Hq, L, D]; key, value [B, Hkv, L_new, D] (the fresh rows); attention_mask bool (True = attend) or
+    additive float, [B or 1, 1 or Hq, L, T_past + L_new], or None for causal (bottom-right aligned).
+    """
+    b, hq, length, d = query.shape
+    hkv = key.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    g = hq // hkv
+    cd = torch.float64 if query.dtype == torch.float64 else torch.float32
+    kv_len = key.shape[2] + (past.length if past is not None else 0)
+    keys_view = past.keys if past is not None else None
+    values_view = past.values if past is not None else None
+    scale = d ** -0.5 if scaling is None else scaling
+    ok = allowed(attention_mask, b, length, kv_len, query.device)
+    add = _additive(attention_mask)
+    # queries regrouped per KV head: row j*L + l of head kv is query head kv*g + j at position l
+    qs = query.to(cd).reshape(b, hkv, g * length, d) * scale
+    step = max(1, LOGIT_CHUNK_ELEMENTS // max(1, b * hq * kv_len))
+    outs = []
+    for l0 in range(0, length, step):
+        l1 = min(length, l0 + step)
+        qc = qs.view(b, hkv, g, length, d)[:, :, :, l0:l1].reshape(b, hkv, g * (l1 - l0), d)
+        s = _key_logits(qc, keys_view, key, cd)  # [B, Hkv, g*Lc, T]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        if add is not None:
+            s = s + _group_mask(add[:, :, l0:l1].to(cd), hkv, g)
+        okc = _group_mask(ok[:, :, l0:l1], hkv, g)
+        s = s.masked_fill(~okc, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        p = torch.where(okc.any(-1, keepdim=True), p, 0)  # fully masked rows give 0, as SDPA does
+        outs.append(_value_out(p, values_view, value, cd).view(b, hkv, g, l1 - l0, d))
+    out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
+    return out.reshape(b, hq, length, d).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def kvarn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The "kvarn" entry of transformers' AttentionInterface. Returns ([B, L, Hq, D], None)."""
+    if dropout and module.training:
+        raise ValueError("attn_implementation 'kvarn' is for inference; it does not apply attention dropout")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("attn_implementation 'kvarn' does not support attention sinks logits (s_aux)")
+    observe = getattr(key, "kvarn_observe", None)
+    if observe is not None:
+        observe(query)
+    past = past_of(key)
+    if past is None and softcap is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling,
+                                      **kwargs)
+    return packed_attention(query, key, value, past, attention_mask, scaling, softcap), None

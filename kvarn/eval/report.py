@@ -1,0 +1,158 @@
+"""`kvarn eval report`: run a suite of analyses and write one markdown report with all tables and plots.
+
+The suite comes from `--config FILE` (JSON) and/or flags. Config layout:
+
+    {"model": "default", "text": null, "methods": "rtn,kvarn-k2v2-g128", "seed": 0, "sink": null,
+     "analyses": {"pseudo-decode": {"max-len": 4096}, "decompose": {"max-len": 4096, "methods": "rtn"}, ...}}
+
+Top-level keys are common options, given to every analysis that has them; keys under an analysis are its own
+options (the names of its flags without "--"; lists are joined with commas, true adds a bare flag) and
+override the common ones. Flags given to `report` (--model, --text, --methods, --seed, --sink, --threads) override
+the config's common options; --analyses picks and orders the analyses (default: the config's, else all).
+Each analysis is parsed by its own parser, so its validation applies, and writes into OUT/<analysis>/.
+OUT/report.md gathers their summaries and plots with the wall time of each; OUT/report.json records the
+config, timings and provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from kvarn.eval.common import markdown_table, provenance, write_json
+
+COMMAND = "report"
+HELP = "run a suite of analyses (flags or a JSON config) and write one markdown report"
+DEFAULT_ANALYSES = ("pseudo-decode", "decompose", "outliers", "ppl", "lines")
+COMMON = ("model", "text", "methods", "seed", "sink", "threads")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="JSON suite config (see `kvarn eval report --help`)")
+    parser.add_argument("--analyses", default=None, help=f"comma-separated (default: {','.join(DEFAULT_ANALYSES)})")
+    parser.add_argument("--model", default=None, help="named model, HF id or folder (default: embedded SmolLM2)")
+    parser.add_argument("--text", default=None, help="text file (default: WikiText-2 test)")
+    parser.add_argument("--methods", default=None, help="comma-separated presets (default: each analysis's)")
+    parser.add_argument("--seed", type=int, default=None, help="seed (default: 0)")
+    parser.add_argument("--sink", type=int, default=None, help="override every preset's sink")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", default="out/eval/report", help="output folder (default: out/eval/report)")
+
+
+def load_config(path: str | None) -> dict:
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"config file not found: {p}")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config {p} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config {p} must hold a JSON object")
+    unknown = set(cfg) - {*COMMON, "analyses"}
+    if unknown:
+        raise ValueError(f"config {p}: unknown keys {sorted(unknown)}; allowed: {', '.join((*COMMON, 'analyses'))}")
+    return cfg
+
+
+def to_argv(options: dict[str, Any], parser: argparse.ArgumentParser, strict: bool, where: str) -> list[str]:
+    """{"max-len": 4096, "lines": [20, 40], "flag": true} -> ["--max-len", "4096", "--lines", "20,40", "--flag"]."""
+    known = parser._option_string_actions
+    argv: list[str] = []
+    for key, value in options.items():
+        flag = f"--{key}"
+        if flag not in known:
+            if strict:
+                raise ValueError(f"{where}: unknown option {key!r}")
+            continue
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        else:
+            argv += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return argv
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace, Any]]:
+    """(analysis, parsed args, module) for each analysis of the suite, in order."""
+    from kvarn.eval import analyses
+
+    cfg = load_config(args.config)
+    found = {k: v for k, v in analyses().items() if k != COMMAND}
+    per = cfg.get("analyses", {})
+    if not isinstance(per, dict):
+        raise ValueError("config key 'analyses' must map analysis names to their options")
+    names = ([a.strip() for a in args.analyses.split(",") if a.strip()] if args.analyses
+             else list(per) or list(DEFAULT_ANALYSES))
+    bad = [n for n in [*names, *per] if n not in found]
+    if bad:
+        raise ValueError(f"unknown analyses {bad}; available: {', '.join(found)}")
+    common = {k: cfg.get(k) for k in COMMON}
+    common.update({k: getattr(args, k) for k in COMMON if getattr(args, k) is not None})
+    out = []
+    for name in names:
+        module = found[name]
+        parser = argparse.ArgumentParser(prog=f"kvarn eval {name}")
+        module.add_arguments(parser)
+        own = per.get(name) or {}
+        argv = to_argv(common, parser, strict=False, where=name) + to_argv(own, parser, strict=True, where=name)
+        argv += ["--out", str(Path(args.out) / name)]
+        try:
+            sub = parser.parse_args(argv)
+        except SystemExit:
+            raise ValueError(f"{name}: invalid options {argv}") from None
+        out.append((name, sub, module))
+    return out
+
+
+def report_markdown(entries: list[dict], out: Path, prov: dict) -> str:
+    total = sum(e["seconds"] for e in entries)
+    md = ["# kvarn evaluation report\n\n",
+          f"Machine: {prov['machine']}, {os.cpu_count()} CPUs; torch {prov['torch']}, transformers "
+          f"{prov['transformers']}; git {prov['git']}; {prov['date']}.\n\n",
+          markdown_table(["analysis", "wall time (s)", "command"],
+                         [[e["analysis"], f"{e['seconds']:.0f}", f"`kvarn eval {e['analysis']} {' '.join(e['argv'])}`"]
+                          for e in entries] + [["total", f"{total:.0f}", ""]])]
+    for e in entries:
+        folder = out / e["analysis"]
+        summary = folder / "summary.md"
+        text = summary.read_text() if summary.exists() else f"## {e['analysis']}\n\n(no summary written)\n"
+        md.append("\n" + text)
+        for png in sorted(folder.glob("*.png")):
+            md.append(f"\n![{png.stem}]({e['analysis']}/{png.name})\n")
+    return "".join(md)
+
+
+def run(args: argparse.Namespace) -> int:
+    steps = plan(args)
+    out = Path(args.out)
+    entries = []
+    for name, sub, module in steps:
+        argv = [a for a in _argv_of(sub) if a]
+        t0 = time.perf_counter()
+        module.run(sub)
+        entries.append({"analysis": name, "seconds": time.perf_counter() - t0, "argv": argv})
+    prov = provenance(config=load_config(args.config), **{k: getattr(args, k) for k in (*COMMON, "analyses")})
+    write_json(out / "report.json", {"analysis": COMMAND, "provenance": prov, "steps": entries,
+                                     "total_seconds": sum(e["seconds"] for e in entries)})
+    md = report_markdown(entries, out, prov)
+    (out / "report.md").write_text(md)
+    print(f"wrote {out / 'report.md'} ({sum(e['seconds'] for e in entries):.0f} s)")
+    return 0
+
+
+def _argv_of(ns: argparse.Namespace) -> list[str]:
+    """The parsed options of an analysis as a command line (for the report's reproduction commands)."""
+    argv = []
+    for key, value in vars(ns).items():
+        if key == "func" or value is None:
+            continue
+        argv += [f"--{key.replace('_', '-')}", ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return argv

@@ -1,0 +1,122 @@
+"""Per-tile choice of the key rotation (issue 6), from statistics available online.
+
+Why a choice: quantizing keys per channel adapts to each channel's range. The Hadamard rotation mixes
+the channels; it helps when their scales are moderate (SmolLM2) and hurts when a few key channels have far
+higher variance than the rest and the queries barely read those channels (Qwen2: k_proj bias): the
+rotation spreads the large channels' quantization error into every channel, including those the queries
+weigh most.
+
+What is compared: a tile's error in attention logits. For a query q and a key k quantized to k^, the logit
+moves by q . (k^ - k). Over the queries that will read the tile, with per-channel query energy
+w_d = E[q_d^2] and errors treated as uncorrelated across channels,
+
+    E_q[(q . e_g)^2] ~= sum_d w_d e_{g,d}^2,      e = x^ - x   (one key token g)
+    err(x^) = sum_g sum_d w_d (x^_{g,d} - x_{g,d})^2                                          [N]
+
+and the rotated encoding is kept where err(rotated) < err(plain). w is not known in advance; the cache
+keeps a running mean of q_d^2 over the queries seen so far for each KV head (`QueryEnergy`, the query
+heads of a GQA group pooled), which is causal and costs D numbers per head. A prompt's own queries count:
+the cache defers its key tiles until the attention function has observed them (`LayerStore.observe_queries`).
+With no query at all (an attention implementation that cannot observe, e.g. "eager"), w = 1: plain squared
+error (the cache warns).
+
+Policies share one signature: (x, x_rot, x_plain, weight) -> keep_rotation, with x, x_rot, x_plain
+[N, G, D] token-major (the tile, its rotated encoding decoded, its plain encoding decoded), weight
+[N, D] or None, and keep_rotation bool [N].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+RotationPolicy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def weighted_error(x: torch.Tensor, x_hat: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """sum_g sum_d weight_d (x^ - x)^2 per tile: x, x_hat [N, G, D], weight [N, D] or None (= 1) -> [N]."""
+    e2 = (x_hat.float() - x.float()).square().sum(dim=-2)  # [N, D]: squared error per channel
+    return (e2 * weight.float()).sum(-1) if weight is not None else e2.sum(-1)
+
+
+def query_weighted(x: torch.Tensor, x_rot: torch.Tensor, x_plain: torch.Tensor,
+                   weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep the rotation where it gives the lower expected squared logit error (module docstring)."""
+    return weighted_error(x, x_rot, weight) < weighted_error(x, x_plain, weight)
+
+
+def squared_error(x: torch.Tensor, x_rot: torch.Tensor, x_plain: torch.Tensor,
+                  weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Ablation: plain squared error, ignoring the queries (all channels weigh the same)."""
+    return weighted_error(x, x_rot, None) < weighted_error(x, x_plain, None)
+
+
+def channel_normalized(x: torch.Tensor, x_rot: torch.Tensor, x_plain: torch.Tensor,
+                       weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Ablation: squared error with each channel divided by its variance over the tile (queries ignored)."""
+    w = x.float().var(dim=-2).clamp_min(1e-12).reciprocal()  # [N, D]
+    return weighted_error(x, x_rot, w) < weighted_error(x, x_plain, w)
+
+
+def always(x: torch.Tensor, x_rot: torch.Tensor, x_plain: torch.Tensor,
+           weight: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+
+
+def never(x: torch.Tensor, x_rot: torch.Tensor, x_plain: torch.Tensor,
+          weight: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+
+
+POLICIES: dict[str, RotationPolicy] = {
+    "query": query_weighted,
+    "mse": squared_error,
+    "chnorm": channel_normalized,
+    "always": always,
+    "never": never,
+}
+DEFAULT_POLICY = "query"
+
+
+def get_policy(name: str | RotationPolicy) -> RotationPolicy:
+    if callable(name):
+        return name
+    if name not in POLICIES:
+        raise ValueError(f"unknown rotation policy {name!r}; valid: {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
+class QueryEnergy:
+    """Running mean of q_d^2 for each batch row, KV head and channel: the `weight` of `query_weighted`.
+
+    update(q [B, Hq, t, D], kv_heads) pools the Hq / Hk query heads that share a KV head (GQA) and the t
+    positions:  sum[b, h, d] += sum over the heads of group h and the positions of q^2,  count += (Hq / Hk) t
+    weight() = sum / count  [B, Hk, D], or None before the first update.
+    Accumulated in float32 (float64 stays float64); the scale of w does not matter to the comparison.
+    """
+
+    def __init__(self) -> None:
+        self.sum: torch.Tensor | None = None  # [B, Hk, D]
+        self.count = 0
+
+    def update(self, q: torch.Tensor, kv_heads: int) -> None:
+        if q.dim() != 4:
+            raise ValueError(f"expected queries [batch, heads, tokens, head_dim], got shape {tuple(q.shape)}")
+        b, hq, t, d = q.shape
+        if kv_heads < 1 or hq % kv_heads:
+            raise ValueError(f"{hq} query heads do not split into {kv_heads} KV heads")
+        if self.sum is not None and self.sum.shape != (b, kv_heads, d):
+            raise ValueError(f"queries of shape {tuple(q.shape)} do not match the running statistics "
+                             f"[B, Hk, D] = {tuple(self.sum.shape)}")
+        w = q.detach() if q.dtype == torch.float64 else q.detach().float()
+        e = w.square().reshape(b, kv_heads, hq // kv_heads * t, d).sum(dim=2)  # [B, Hk, D]
+        self.sum = e if self.sum is None else self.sum + e
+        self.count += hq // kv_heads * t
+
+    def weight(self) -> torch.Tensor | None:
+        return None if self.sum is None else self.sum / self.count
+
+    def index_batch(self, index: torch.Tensor) -> None:
+        if self.sum is not None:
+            self.sum = self.sum[index.to(self.sum.device)]
