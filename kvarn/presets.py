@@ -106,11 +106,15 @@ def _load_baselines() -> None:
 FAMILIES: dict[str, tuple[Rotate, Rotate, bool, str]] = {
     # family: (key rotation, value rotation, VarN, description)
     "kvarn": ("hadamard", "hadamard", True, "KVarN: Hadamard rotation + VarN + RTN (the paper)"),
-    "kvarn-auto": ("auto", "hadamard", True, "KVarN with the key rotation chosen per tile and head"),
+    "kvarn-auto": ("auto", "auto", True, "KVarN with the rotation of each key and value tile chosen online "
+                   "(issue 6, kvarn.quant.policy), 8-bit relative column scales"),
     "rtn": ("none", "none", False, "RTN only, KIVI orientation, per tile (ablation)"),
     "hadamard": ("hadamard", "hadamard", False, "Hadamard only + RTN, QuaRot-like (ablation)"),
     "varn": ("none", "none", True, "VarN only + RTN (ablation)"),
 }
+# families whose VarN column scales are stored in 8 bits relative to their tile maximum (relative_col_scales):
+# kvarn-auto at D = 64 stays under 2.5 bits per element at k2v2 (fp16 everywhere would be 2.56)
+COL_SCALE_DTYPE: dict[str, torch.dtype] = {"kvarn-auto": torch.float8_e4m3fn}
 BIT_PAIRS = ((2, 2), (4, 2), (4, 4))
 TILES = (128, 64)
 
@@ -118,12 +122,15 @@ TILES = (128, 64)
 def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | None = None,
                   scale_dtype: torch.dtype = torch.float16) -> Preset:
     rk, rv, use_varn, desc = FAMILIES[family]
+    col = COL_SCALE_DTYPE.get(family)
 
     def key(_: int) -> TileQuantizer:
-        return AffineQuantizer(AffineConfig(k_bits, "channel", rk, use_varn, tile=tile, scale_dtype=scale_dtype))
+        return AffineQuantizer(AffineConfig(k_bits, "channel", rk, use_varn, tile=tile, scale_dtype=scale_dtype,
+                                            col_scale_dtype=col))
 
     def value(_: int) -> TileQuantizer:
-        return AffineQuantizer(AffineConfig(v_bits, "token", rv, use_varn, tile=tile, scale_dtype=scale_dtype))
+        return AffineQuantizer(AffineConfig(v_bits, "token", rv, use_varn, tile=tile, scale_dtype=scale_dtype,
+                                            col_scale_dtype=col))
 
     extra: dict[str, object] = {}
     if scale_dtype != torch.float16:

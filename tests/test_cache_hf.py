@@ -127,17 +127,22 @@ def test_packed_matches_reference_in_model(family, seed):
     gen = torch.Generator().manual_seed(seed)
     ids = prompt(150 + 5 + 3, gen=gen)
     chunks = [150, 5, 1, 1, 1]
-    ref_cache = KVarNCache(model.config, "kvarn-auto-k2v2-g64", sink=8)
+    # kvarn-auto chooses key rotations from the queries the attention observes; the model's own "eager" (Gemma2)
+    # observes none, so its reference run would choose differently from the packed run: compare on kvarn there
+    preset = "kvarn-k2v2-g64" if model.config._attn_implementation == "eager" else "kvarn-auto-k2v2-g64"
+    ref_cache = KVarNCache(model.config, preset, sink=8)
     ref = forward_steps(model, ids, ref_cache, chunks)
     with attn(model, "kvarn"):
-        cache = KVarNCache(model.config, "kvarn-auto-k2v2-g64", sink=8)
+        cache = KVarNCache(model.config, preset, sink=8)
         got = forward_steps(model, ids, cache, chunks)
     full = [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVarNLayer)]
     assert full and all(cache.layers[i].store.keys.n_tiles == 2 for i in full)
-    assert close(got, ref), f"packed vs reference: max diff {(got - ref).abs().max()}, max |ref| {ref.abs().max()}"
+    # float32 end to end; the packed path sums logits and outputs in another order than SDPA/eager over the
+    # dequantized K/V, and through several layers (Gemma2's softcap included) that reaches a few 1e-4 relative
+    diff = f"max diff {(got - ref).abs().max()}, max |ref| {ref.abs().max()}"
+    assert close(got, ref, rel=1e-3), f"packed vs reference: {diff}"
     with attn(model, "kvarn"):  # attention="reference" keeps dequantized reads under "kvarn" too
-        forced = forward_steps(model, ids, KVarNCache(model.config, "kvarn-auto-k2v2-g64", sink=8,
-                                                      attention="reference"), chunks)
+        forced = forward_steps(model, ids, KVarNCache(model.config, preset, sink=8, attention="reference"), chunks)
     assert close(forced, ref)
     # and the reference path itself differs from an unquantized run (the test would see a no-op cache)
     exact = forward_steps(model, ids, DynamicCache(config=model.config), chunks)

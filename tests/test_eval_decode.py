@@ -100,7 +100,7 @@ def test_decode_protocol_end_to_end(tiny, tmp_path):
     # the same numbers as the protocol written out by hand
     kls, same = plain_decode_kl(folder, text, "kvarn-auto-k2v2-g64", n, sink)
     torch.testing.assert_close(torch.tensor(auto["kl"], dtype=torch.float64), torch.tensor(kls, dtype=torch.float64),
-                               rtol=1e-9, atol=1e-15)
+                               rtol=1e-6, atol=1e-12)  # KL of float32 logits: summation order differs
     assert auto["top1"] == [float(s) for s in same]
 
 

@@ -69,6 +69,7 @@ def test_query_energy_pools_gqa_groups_over_updates(seed):
         count += 3 * q.shape[2]
     torch.testing.assert_close(qe.weight().double(), want / count, rtol=1e-5, atol=0)
     assert qe.count == count
+
     qe.index_batch(torch.tensor([1, 1]))
     torch.testing.assert_close(qe.weight()[0].double(), want[1] / count, rtol=1e-5, atol=0)
 
@@ -306,3 +307,42 @@ def test_policy_on_real_smollm2_activations(real_model, seed):
             tot["oracle"] += float(torch.minimum(errs["rot"], errs["plain"]).sum())
     assert tot["auto"] <= 1.03 * tot["oracle"], tot
     assert tot["auto"] <= 0.95 * min(tot["rot"], tot["plain"]), tot
+
+
+# -- kvarn-auto storage: 8-bit VarN column scales relative to their maximum ----------------------------------------
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_relative_e4m3_column_scales(axis, seed):
+    """t = s_col / max(s_col) stored in e4m3, max folded into the 16-bit row scales, B normalized with the stored
+    t: the tile reconstructs from its own fields exactly as (q a + z) t, keeps the fp16-scale accuracy, and does
+    not overflow where absolute e4m3 scales (max 448) would."""
+    from kvarn.ops.packing import unpack_codes
+    from kvarn.quant.affine import relative_col_scales
+
+    gen = torch.Generator().manual_seed(seed)
+    x = heavy_tailed_keys(6, gen) * (torch.rand(6, G, 1, generator=gen) * 8 + 0.1)
+    x[0] = torch.randn(G, D, generator=gen) * 1000.0  # large activations: VarN scales far above e4m3's 448
+    e4 = AffineQuantizer(AffineConfig(2, axis, "hadamard", True, col_scale_dtype=torch.float8_e4m3fn))
+    f16 = AffineQuantizer(AffineConfig(2, axis, "hadamard", True))
+    p = e4.encode(x)
+    assert p["col_scale"].dtype == torch.float8_e4m3fn and p["row_scale"].dtype == torch.float16
+    assert p.finite_tiles().all()
+    absolute = AffineQuantizer(AffineConfig(2, axis, "hadamard", True, scale_dtype=torch.float8_e4m3fn))
+    assert not absolute.encode(x[:1]).finite_tiles().any()  # the cache would have to keep this tile exact
+    t = p["col_scale"].double()
+    assert (t > 0).all() and (t <= 1).all() and (t.amax(-1) == 1).all()
+    # reconstruction from the stored fields, written out: (q a + z) t in the rotated basis, then @ H
+    q = unpack_codes(p["codes"], 2).double()
+    rows = (q * p["row_scale"].double().unsqueeze(-1) + p["row_zero"].double().unsqueeze(-1)) * t.unsqueeze(-2)
+    tok = rows.transpose(-1, -2) if axis == "channel" else rows
+    from kvarn.ops.hadamard import hadamard_matrix
+
+    want = tok @ hadamard_matrix(D)
+    torch.testing.assert_close(e4.decode(p).double(), want, rtol=1e-5, atol=1e-5 * float(x.abs().max()))
+    # accuracy: relative MSE within 5% of the fp16-scale quantizer's (rounding t only perturbs the balance)
+    rel = [float((qz.roundtrip(x) - x).square().sum() / x.square().sum()) for qz in (e4, f16)]
+    assert rel[0] <= 1.05 * rel[1], rel
+    # the helper itself: B * t * s_row' gives X back
+    xs, sc, sr = torch.randn(2, 5, 7, generator=gen), torch.rand(2, 7, generator=gen) + 0.5, torch.rand(2, 5) + 0.5
+    b, tt, sr2 = relative_col_scales(xs, sc, sr, torch.float8_e4m3fn)
+    torch.testing.assert_close(b * tt.unsqueeze(-2) * sr2.unsqueeze(-1), xs, rtol=1e-6, atol=1e-6)
+    assert torch.equal(tt, tt.to(torch.float8_e4m3fn).float())  # exactly representable in e4m3

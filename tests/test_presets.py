@@ -14,7 +14,7 @@ from kvarn.quant.affine import AffineQuantizer
 # written from SPEC §3 and the ablation list, not read from kvarn.presets: (key rotation, value rotation, VarN)
 FAMILIES = {
     "kvarn": ("hadamard", "hadamard", True),
-    "kvarn-auto": ("auto", "hadamard", True),
+    "kvarn-auto": ("auto", "auto", True),
     "rtn": ("none", "none", False),
     "hadamard": ("hadamard", "hadamard", False),
     "varn": ("none", "none", True),
@@ -79,11 +79,13 @@ def overhead(family: str, d: int, g: int) -> float:
     """Scale bits per element, mean of K and V. Per K tile: a_d, z_d (D each) and t_g (G) with VarN; per V
     tile a'_g, z'_g (G each) and c_d (D). fp16 throughout: VarN stores 2D + G and 2G + D halves, i.e.
     (3D + 3G) * 16 / 2 over D G elements = 24 (D + G) / (D G); without VarN 2D and 2G halves: 16 (D + G) / (D G).
-    kvarn-auto adds one uint8 flag per key tile: 8 / (2 D G)."""
+    kvarn-auto stores the column scales (t_g, c_d) in 8 bits, (2D + 2G) * 16 + (G + D) * 8 over 2 D G elements
+    = 20 (D + G) / (D G), and one uint8 rotation flag per key tile and per value tile: 8 / (D G)."""
     if family in ("rtn", "hadamard"):
         return 16 * (d + g) / (d * g)
-    flag = 8 / (2 * d * g) if family == "kvarn-auto" else 0.0
-    return 24 * (d + g) / (d * g) + flag
+    if family == "kvarn-auto":
+        return 20 * (d + g) / (d * g) + 8 / (d * g)
+    return 24 * (d + g) / (d * g)
 
 
 @pytest.mark.parametrize("d", [128, 64, 96])

@@ -161,6 +161,12 @@ def evaluate(model, tok, specs: list[RunSpec], line_counts: list[int], queries: 
     return {"results": results, "prompt_tokens": prompt_tokens, "examples": examples}
 
 
+def write_plots(result: dict, out: Path) -> list[Path]:
+    from kvarn.eval import plots
+
+    return [plots.accuracy_vs_lines(result, out / "lines.png")]
+
+
 def summary_markdown(result: dict) -> str:
     ls = sorted({r["lines"] for r in result["results"]})
     acc = {(r["method"], r["mode"], r["lines"]): r for r in result["results"]}
@@ -187,9 +193,7 @@ def run(args: argparse.Namespace) -> int:
                          args.sink)}
     out = Path(args.out)
     write_json(out / "lines.json", result)
-    from kvarn.eval import plots
-
-    plots.accuracy_vs_lines(result, out / "lines.png")
+    write_plots(result, out)
     md = summary_markdown(result)
     (out / "summary.md").write_text(md)
     print(md)

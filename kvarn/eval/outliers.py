@@ -66,6 +66,21 @@ def record(tr: Trace, variant: str, granularity: str | None, share: float) -> di
             "seconds": tr.seconds}
 
 
+def write_plots(result: dict, out: Path) -> list[Path]:
+    """KL per method: as is, worst fixed, rest fixed, per granularity (log scale)."""
+    from kvarn.eval import plots
+
+    rs, frac = result["results"], result["fraction"]
+    methods = list(dict.fromkeys(r["method"] for r in rs))
+    series = {"as is": [r["kl"] for r in rs if r["variant"] == "base"]}
+    for g in dict.fromkeys(r["granularity"] for r in rs if r["granularity"]):
+        for which in ("worst", "rest"):
+            label = f"{'worst' if which == 'worst' else 'other'} {g}s exact"
+            series[label] = [r["kl"] for r in rs if r["variant"] == which and r["granularity"] == g]
+    return [plots.grouped_bars(methods, series, out / "outliers.png", "mean next-token KL",
+                               f"fixing the worst {100 * frac:g}% vs the other {100 * (1 - frac):g}%", log=True)]
+
+
 def summary_markdown(result: dict) -> str:
     frac = result["fraction"]
     base = {r["method"]: r["kl"] for r in result["results"] if r["variant"] == "base"}
@@ -113,17 +128,7 @@ def run(args: argparse.Namespace) -> int:
               "results": [record(tr, *m) for tr, m in zip(traces, meta)]}
     out = Path(args.out)
     write_json(out / "outliers.json", result)
-    from kvarn.eval import plots
-
-    methods = [p.name for p in presets]
-    series = {"as is": [r["kl"] for r in result["results"] if r["variant"] == "base"]}
-    for g in grans:
-        for which in ("worst", "rest"):
-            label = f"{'worst' if which == 'worst' else 'other'} {g}s exact"
-            series[label] = [r["kl"] for r in result["results"] if r["variant"] == which and r["granularity"] == g]
-    plots.grouped_bars(methods, series, out / "outliers.png", "mean next-token KL",
-                       f"fixing the worst {100 * args.fraction:g}% vs the other {100 * (1 - args.fraction):g}%",
-                       log=True)
+    write_plots(result, out)
     md = summary_markdown(result)
     (out / "summary.md").write_text(md)
     print(md)

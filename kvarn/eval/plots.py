@@ -55,15 +55,15 @@ def error_vs_length(result: dict, path: str | Path) -> Path:
     """Attention-output MAE (mean over layers) and next-token KL per block vs context length."""
     runs, x = result["runs"], result["block_ends"]
     colors = _colors(_methods(runs))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
     for r in runs:
-        kw = dict(color=colors[r["method"]], ls=STYLE[r["mode"]], lw=1.2)
+        kw = dict(color=colors[r["method"]], ls=STYLE[r["mode"]], lw=1.0)
         axes[0].plot(x, r["mae_mean"], label=f"{r['method']} ({r['mode']})", **kw)
         axes[1].plot(x, r["kl"], **kw)
     axes[0].set(xlabel="context length (tokens)", ylabel="attention-output MAE (mean over layers)")
-    axes[1].set(xlabel="context length (tokens)", ylabel="next-token KL vs reference", yscale="symlog")
+    axes[1].set(xlabel="context length (tokens)", ylabel="next-token KL vs reference")
     axes[1].set_yscale("symlog", linthresh=1e-3)
-    axes[0].legend(fontsize=7, ncol=1)
+    axes[1].legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle("pseudo-decoding: solid = cumulative, dashed = static", fontsize=10)
     return _save(fig, path)
 
@@ -147,14 +147,14 @@ def norm_error_vs_norm(samples: dict[str, dict[str, list[float]]], path: str | P
 
 def joint_error(samples: dict[str, dict[str, list[float]]], path: str | Path, kind: str, layer: int) -> Path:
     """Joint scatter of magnitude error E_M against direction error E_D per token (log-log), top 1% marked."""
-    fig, axes = _grid(len(samples), sharex=True, sharey=True)
+    fig, axes = _grid(len(samples), sharey=True)
     floor = 1e-12
     for ax, (m, s) in zip(axes, samples.items()):
         e_m, e_d = np.maximum(np.asarray(s["e_m"]), floor), np.maximum(np.asarray(s["e_d"]), floor)
         top = np.asarray(s["top1pct"], dtype=bool)
         ax.scatter(e_d[~top], e_m[~top], s=1, alpha=0.2, color="C0", rasterized=True, label="others")
         ax.scatter(e_d[top], e_m[top], s=3, alpha=0.7, color="C3", rasterized=True, label="top 1% by E_T")
-        lo, hi = max(min(e_d.min(), e_m.min()), 1e-6), max(e_d.max(), e_m.max())
+        lo, hi = e_d.min() / 10, max(e_d.max(), e_m.max())  # the diagonal over the range of E_D
         ax.plot([lo, hi], [lo, hi], color="grey", lw=0.6)
         ax.set(xscale="log", yscale="log")
         ax.set_title(m, fontsize=8)

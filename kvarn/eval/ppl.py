@@ -107,6 +107,17 @@ def evaluate(model, ids: torch.Tensor, presets, window: int, stride: int, block:
             "results": [_summary(p.name, acc, p.bits_per_element(d, n_layers)) for p, acc in zip(presets, parts)]}
 
 
+def write_plots(result: dict, out: Path) -> list[Path]:
+    """Mean KL per window and method, with the std over windows as error bars."""
+    from kvarn.eval import plots
+
+    rs = result["results"]
+    return [plots.grouped_bars([r["method"] for r in rs], {"KL vs reference": [r["kl_mean"] for r in rs]},
+                               out / "ppl_kl.png", "mean next-token KL", "KL per window (mean ± std)",
+                               errors={"KL vs reference": [0 if math.isnan(r["kl_std"]) else r["kl_std"]
+                                                           for r in rs]})]
+
+
 def summary_markdown(result: dict) -> str:
     rows = [[r["method"], r["bits_per_element"], r["ppl"], f"{r['ppl_mean']:.4g} ± {r['ppl_std']:.2g}", r["kl"],
              f"{r['kl_mean']:.4g} ± {r['kl_std']:.2g}", f"{100 * r['top1']:.1f}%"]
@@ -131,12 +142,7 @@ def run(args: argparse.Namespace) -> int:
               **evaluate(model, ids, presets, args.window, stride, args.block, args.sink)}
     out = Path(args.out)
     write_json(out / "ppl.json", result)
-    from kvarn.eval import plots
-
-    rs = result["results"]
-    plots.grouped_bars([r["method"] for r in rs], {"KL vs reference": [r["kl_mean"] for r in rs]},
-                       out / "ppl_kl.png", "mean next-token KL", "KL per window (mean ± std)",
-                       errors={"KL vs reference": [0 if math.isnan(r["kl_std"]) else r["kl_std"] for r in rs]})
+    write_plots(result, out)
     md = summary_markdown(result)
     (out / "summary.md").write_text(md)
     print(md)

@@ -11,7 +11,8 @@ override the common ones. Flags given to `report` (--model, --text, --methods, -
 the config's common options; --analyses picks and orders the analyses (default: the config's, else all).
 Each analysis is parsed by its own parser, so its validation applies, and writes into OUT/<analysis>/.
 OUT/report.md gathers their summaries and plots with the wall time of each; OUT/report.json records the
-config, timings and provenance.
+config, timings and provenance. `--replot` redraws plots, summaries and report.md from the JSON files of a
+finished report without running anything (after a change to the plots or tables).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sink", type=int, default=None, help="override every preset's sink")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", default="out/eval/report", help="output folder (default: out/eval/report)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="analyses run at once, each in its own process (default: 1; 2 uses both cores of a "
+                             "2-core machine with --threads 1)")
+    parser.add_argument("--replot", action="store_true",
+                        help="run nothing: redraw plots, summaries and report.md from the JSON files already in --out "
+                             "(analyses whose plots need more than their JSON, like decompose, keep theirs)")
 
 
 def load_config(path: str | None) -> dict:
@@ -80,8 +87,8 @@ def to_argv(options: dict[str, Any], parser: argparse.ArgumentParser, strict: bo
     return argv
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace, Any]]:
-    """(analysis, parsed args, module) for each analysis of the suite, in order."""
+def plan(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace, Any, list[str]]]:
+    """(analysis, parsed args, module, its command line) for each analysis of the suite, in order."""
     from kvarn.eval import analyses
 
     cfg = load_config(args.config)
@@ -108,18 +115,20 @@ def plan(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace, Any]]:
             sub = parser.parse_args(argv)
         except SystemExit:
             raise ValueError(f"{name}: invalid options {argv}") from None
-        out.append((name, sub, module))
+        out.append((name, sub, module, argv))
     return out
 
 
-def report_markdown(entries: list[dict], out: Path, prov: dict) -> str:
+def report_markdown(entries: list[dict], out: Path, prov: dict, wall: float, jobs: int) -> str:
     total = sum(e["seconds"] for e in entries)
     md = ["# kvarn evaluation report\n\n",
           f"Machine: {prov['machine']}, {os.cpu_count()} CPUs; torch {prov['torch']}, transformers "
           f"{prov['transformers']}; git {prov['git']}; {prov['date']}.\n\n",
           markdown_table(["analysis", "wall time (s)", "command"],
                          [[e["analysis"], f"{e['seconds']:.0f}", f"`kvarn eval {e['analysis']} {' '.join(e['argv'])}`"]
-                          for e in entries] + [["total", f"{total:.0f}", ""]])]
+                          for e in entries] + [["sum", f"{total:.0f}", ""]]),
+          f"\nWall time of the whole report: {wall:.0f} s ({wall / 60:.1f} min) with {jobs} analysis process(es) "
+          "in parallel.\n"]
     for e in entries:
         folder = out / e["analysis"]
         summary = folder / "summary.md"
@@ -130,21 +139,74 @@ def report_markdown(entries: list[dict], out: Path, prov: dict) -> str:
     return "".join(md)
 
 
+def replot(args: argparse.Namespace) -> int:
+    """Redraw from OUT/<analysis>/<analysis>.json (modules with `write_plots(result, out)` and
+    `summary_markdown(result)`), then rewrite report.md with the timings recorded in report.json."""
+    out = Path(args.out)
+    saved = out / "report.json"
+    if not saved.exists():
+        raise ValueError(f"--replot needs a finished report in {out} (no report.json)")
+    done = json.loads(saved.read_text())
+    for name, _, module, _ in plan(args):
+        folder = out / name
+        path = folder / f"{name.replace('-', '_')}.json"
+        if not path.exists():
+            raise ValueError(f"--replot: {path} is missing")
+        result = json.loads(path.read_text())
+        if hasattr(module, "write_plots"):
+            module.write_plots(result, folder)
+        if hasattr(module, "summary_markdown"):
+            (folder / "summary.md").write_text(module.summary_markdown(result))
+    (out / "report.md").write_text(report_markdown(done["steps"], out, done["provenance"],
+                                                   done.get("wall_seconds", done["total_seconds"]),
+                                                   done.get("jobs", 1)))
+    print(f"redrew {out / 'report.md'}")
+    return 0
+
+
+def _run_step(name: str, argv: list[str]) -> tuple[int, float]:
+    """One analysis in a worker process (`--jobs` > 1): its exit code and wall time."""
+    from kvarn.cli import main
+
+    t0 = time.perf_counter()
+    rc = main(["eval", name, *argv])
+    return rc, time.perf_counter() - t0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        return replot(args)
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     steps = plan(args)
     out = Path(args.out)
-    entries = []
-    for name, sub, module in steps:
-        argv = [a for a in _argv_of(sub) if a]
-        t0 = time.perf_counter()
-        module.run(sub)
-        entries.append({"analysis": name, "seconds": time.perf_counter() - t0, "argv": argv})
-    prov = provenance(config=load_config(args.config), **{k: getattr(args, k) for k in (*COMMON, "analyses")})
-    write_json(out / "report.json", {"analysis": COMMAND, "provenance": prov, "steps": entries,
-                                     "total_seconds": sum(e["seconds"] for e in entries)})
-    md = report_markdown(entries, out, prov)
+    start = time.perf_counter()
+    seconds: dict[str, float] = {}
+    if args.jobs == 1:
+        for name, sub, module, _ in steps:
+            t0 = time.perf_counter()
+            module.run(sub)
+            seconds[name] = time.perf_counter() - t0
+    else:  # independent analyses in parallel processes, submitted in suite order (put the longest first)
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+            futures = {name: pool.submit(_run_step, name, argv) for name, _, _, argv in steps}
+            for name, fut in futures.items():
+                rc, seconds[name] = fut.result()
+                if rc:
+                    raise ValueError(f"analysis {name} failed (exit code {rc})")
+    wall = time.perf_counter() - start
+    entries = [{"analysis": name, "seconds": seconds[name], "argv": [a for a in _argv_of(sub) if a]}
+               for name, sub, _, _ in steps]
+    prov = provenance(config=load_config(args.config), jobs=args.jobs,
+                      **{k: getattr(args, k) for k in (*COMMON, "analyses")})
+    write_json(out / "report.json", {"analysis": COMMAND, "provenance": prov, "steps": entries, "jobs": args.jobs,
+                                     "total_seconds": sum(e["seconds"] for e in entries), "wall_seconds": wall})
+    md = report_markdown(entries, out, prov, wall, args.jobs)
     (out / "report.md").write_text(md)
-    print(f"wrote {out / 'report.md'} ({sum(e['seconds'] for e in entries):.0f} s)")
+    print(f"wrote {out / 'report.md'} ({wall:.0f} s)")
     return 0
 
 
