@@ -155,6 +155,7 @@ def test_report_in_parallel(tiny, tmp_path):
         assert a["results"] == b["results"]
     rep = json.loads((tmp_path / "2" / "report.json").read_text())
     assert rep["jobs"] == 2 and [s["analysis"] for s in rep["steps"]] == ["decompose", "ppl"]
+    assert all(s["cpu_seconds"] > 0 and s["seconds"] > 0 for s in rep["steps"])
 
 
 def test_clean_errors(tiny, tmp_path, capsys):

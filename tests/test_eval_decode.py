@@ -120,6 +120,8 @@ def test_decode_bad_input(tiny, tmp_path, capsys):
     assert "unknown preset 'nope'" in capsys.readouterr().err
     assert main(["eval", "decode", "--model", folder, "--text", text, "--max-len", "100000"]) == 2
     assert "fewer than the 100000 asked for" in capsys.readouterr().err
+    assert main(["eval", "decode", "--model", folder, "--text", text, "--offset", "-5"]) == 2
+    assert "--offset must be >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["eval", "decode", "--max-len", "0"])
 

@@ -1,8 +1,9 @@
 """`kvarn eval decode`: the SPEC §8 decode protocol, next-token KL and top-1 agreement, token by token.
 
-The first `--max-len` tokens of the text (WikiText-2 test by default), tokenized with the model's default
-special tokens, are fed ONE token at a time (teacher forcing) through each method's `KVarNCache`, in lockstep
-with the same run on an unquantized transformers `DynamicCache` (`engine.run_blocks` with blocks of 1 token).
+The first `--max-len` tokens of the text (WikiText-2 test by default; from `--offset` characters in), tokenized
+with the model's default special tokens, are fed ONE token at a time (teacher forcing) through each method's
+`KVarNCache`, in lockstep with the same run on an unquantized transformers `DynamicCache` (`engine.run_blocks`
+with blocks of 1 token).
 Quantization errors therefore feed forward exactly as in decoding. Per position p and method:
 
     kl[p]   = KL(p_ref(. | ids[<=p]) || p_method(. | ids[<=p]))     float64, over the whole vocabulary
@@ -45,6 +46,8 @@ DEFAULT_METHODS = ("rtn-k2v2-g128,hadamard-k2v2-g128,varn-k2v2-g128,kvarn-k2v2-g
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, methods=DEFAULT_METHODS, command=COMMAND)
     parser.add_argument("--max-len", type=positive_int, default=1024, help="tokens of the text (default: 1024)")
+    parser.add_argument("--offset", type=int, default=0, metavar="CHARS",
+                        help="start this many characters into the text (another stretch of it; default: 0)")
     parser.add_argument("--last", type=positive_int, default=256,
                         help="the summary's late window: mean KL over the last N positions (default: 256)")
     parser.add_argument("--json", default=None, metavar="FILE", help="results JSON (default: <out>/decode.json)")
@@ -88,8 +91,9 @@ def summary_markdown(result: dict) -> str:
     rows = [[r["method"], r["summary"]["kl_mean"], r["summary"]["kl_last"], f"{100 * r['summary']['top1']:.1f}%",
              r["bits_per_element"], r["cache_bytes"]["bits_per_element"], f"{r['seconds']:.0f}"]
             for r in result["runs"]]
-    md = [f"## Decode protocol ({result['tokens']} tokens one at a time, {result['model']}, sink "
-          f"{result['sink']}, attention {result['attention']})\n\n",
+    where = f", from character {result['offset']}" if result.get("offset") else ""
+    md = [f"## Decode protocol ({result['tokens']} tokens one at a time, {result['model']}, {result['text']}{where}, "
+          f"sink {result['sink']}, attention {result['attention']})\n\n",
           f"KL(ref || method) of the next-token distribution, mean over all positions and over the last {last}; "
           "top-1: agreement of the argmax with the unquantized run. bits/elem: quantized tiles, from stored bytes; "
           "cache bits/elem: the whole cache at the end (sink and tail in full precision included).\n\n",
@@ -117,14 +121,17 @@ def run(args: argparse.Namespace) -> int:
         from kvarn.attention import enable
 
         enable(model)
-    ids = load_tokens(tok, args.text, args.max_len)
+    if args.offset < 0:
+        raise ValueError(f"--offset must be >= 0, got {args.offset}")
+    ids = load_tokens(tok, args.text, args.max_len, offset_chars=args.offset)
     specs = [RunSpec(p.name, p, "cumulative") for p in presets]
     _, traces = run_blocks(model, ids, specs, 1, sink=args.sink, desc=COMMAND, inspect=rotation_shares)
     d, n_layers = head_dim(model), len(decoder_layers(model))
     sink = args.sink if args.sink is not None else sorted({p.sink for p in presets})
     result = {
         "analysis": COMMAND, "provenance": provenance(**{k: v for k, v in vars(args).items() if k != "func"}),
-        "model": args.model, "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
+        "model": args.model, "text": str(args.text or "wikitext-2 test"), "offset": args.offset,
+        "tokens": int(ids.shape[1]),
         "sink": sink, "last": args.last, "attention": args.attention, "num_layers": n_layers, "head_dim": d,
         "runs": [run_record(tr, tr.spec.preset.bits_per_element(d, n_layers), args.last) for tr in traces],
     }
