@@ -151,7 +151,9 @@ def markdown(report: dict, plot_name: str | None = None) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(report)]
     lines += ["", "KV MiB: bytes really held at the end (packed codes + scales + full-precision sink/tail); "
               "vs fp16: how many times smaller than an fp16 cache of the same tokens. first diff: index in "
-              "the answer of the first token whose argmax differs from FP16 (where greedy decoding diverges)."]
+              "the answer of the first token whose argmax differs from FP16 (where greedy decoding diverges). "
+              "The `fp16` row is the unquantized reference: its cache holds the model's own dtype (a float32 "
+              "model on the CPU holds 32 bits/elem there, so its 'vs fp16' is below 1)."]
     if plot_name:
         lines += ["", f"![KL vs position]({plot_name})"]
     lines += ["", "## FP16 answer (first 1,200 characters)", "", "```", report["answer_fp16"][:1200], "```", ""]

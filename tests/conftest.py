@@ -48,6 +48,24 @@ def make_tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, k
     return model.eval()
 
 
+def tiny_model_folder(folder, family: str, words: list[str], n_words: int) -> tuple[str, str]:
+    """Save a tiny random `family` model with the embedded model's tokenizer into `folder`, and a text file of
+    `n_words` words drawn at random from `words` (fresh each run). Returns (model folder, text path)."""
+    from transformers import AutoTokenizer
+
+    from kvarn.models import resolve
+
+    tok = AutoTokenizer.from_pretrained(resolve("default"))
+    model = make_tiny_model(family, layers=2, heads=4, kv_heads=2, head_dim=64, hidden=64, vocab=len(tok),
+                            seed=random.randrange(2**31))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    rng = random.Random()
+    text = folder / "text.txt"
+    text.write_text(" ".join(rng.choice(words) for _ in range(n_words)))
+    return str(folder), str(text)
+
+
 @pytest.fixture(scope="session")
 def real_model():
     """The embedded SmolLM2-135M-Instruct (converted once to a HF folder under the kvarn cache)."""

@@ -4,11 +4,9 @@ exit codes, JSON files checked against docs/schemas, summaries, plots, determini
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
-import torch
-from conftest import make_tiny_model
+from conftest import tiny_model_folder
 
 from kvarn.cli import main
 from kvarn.eval import analyses
@@ -17,34 +15,12 @@ from kvarn.eval.schema import load_schema, validate
 SMALL = "rtn-k2v2-g64,kvarn-k2v2-g64"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run faster on one thread (no thread sync) on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A folder holding a tiny random llama with the embedded model's tokenizer, and a random text file."""
-    from transformers import AutoTokenizer
-
-    from kvarn.models import resolve
-
-    tok = AutoTokenizer.from_pretrained(resolve("default"))
-    folder = tmp_path_factory.mktemp("tiny")
-    model = make_tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=64, hidden=64, vocab=len(tok),
-                            seed=random.randrange(2**31))
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    rng = random.Random()
     words = ["the", "cache", "token", "error", "grows", "with", "length", "and", "each", "tile", "is", "quantized",
              "once", "model", "attends", "to", "its", "keys", "values", "of", "a", "long", "text", "."]
-    text = folder / "text.txt"
-    text.write_text(" ".join(rng.choice(words) for _ in range(3000)))
-    return str(folder), str(text)
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny"), "llama", words, 3000)
 
 
 def _run(tiny, tmp_path, analysis: str, *extra: str) -> dict:

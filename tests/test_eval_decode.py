@@ -5,43 +5,20 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import tiny_model_folder
 
 from kvarn.cli import main
 from kvarn.eval.schema import load_schema, validate
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run faster on one thread on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A folder with a tiny random Qwen2 (k_proj bias, GQA) and the embedded model's tokenizer, and a random text."""
-    from transformers import AutoTokenizer
-
-    from kvarn.models import resolve
-
-    tok = AutoTokenizer.from_pretrained(resolve("default"))
-    folder = tmp_path_factory.mktemp("tiny-decode")
-    model = make_tiny_model("qwen2", layers=2, heads=4, kv_heads=2, head_dim=64, hidden=64, vocab=len(tok),
-                            seed=random.randrange(2**31))
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    rng = random.Random()
     words = ["keys", "values", "the", "tile", "is", "stored", "once", "and", "read", "by", "every", "query", "."]
-    text = folder / "text.txt"
-    text.write_text(" ".join(rng.choice(words) for _ in range(1500)))
-    return str(folder), str(text)
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-decode"), "qwen2", words, 1500)
 
 
 def run_decode(tiny, out, *extra: str) -> dict:

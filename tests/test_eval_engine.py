@@ -15,15 +15,6 @@ from kvarn.quant.base import Identity
 T, BLOCK, TILE = 256, 32, 64  # 8 blocks; with sink 0 the first tile is quantized after block 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run faster on one thread (no thread sync) on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model():
     return make_tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=64, hidden=128, vocab=256)

@@ -14,15 +14,6 @@ from kvarn.presets import get_preset
 G, D = 64, 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run faster on one thread (no thread sync) on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _tiles(seed: int, n: int = 6) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # heavy-tailed token scales, so the worst tokens are well separated from the rest

@@ -12,15 +12,6 @@ from kvarn.eval.ppl import evaluate, windows
 from kvarn.presets import get_preset
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run faster on one thread (no thread sync) on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("n,window,stride", [(100, 30, 30), (100, 30, 10), (64, 64, 64), (65, 64, 16), (7, 10, 5)])
 def test_windows_score_each_target_at_most_once(n, window, stride):
     wins = windows(n, window, stride)

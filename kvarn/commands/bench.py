@@ -29,15 +29,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _print(rows: list[dict], title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvarn.console import console
 
     t = Table(title=title)
     for k in rows[0]:
         t.add_column(k, justify="left" if isinstance(rows[0][k], str) else "right")
     for r in rows:
         t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()])
-    Console().print(t)
+    console().print(t)
 
 
 def _presets(text: str) -> list[str]:

@@ -22,9 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvarn.console import console
     from kvarn.demo import DEFAULT_PROMPT, HEADERS, markdown, plot, run_demo, table_rows
     from kvarn.eval.common import write_json
 
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(h, justify="left" if h == "method" else "right")
     for row in table_rows(report):
         table.add_row(*row)
-    Console().print(table)
+    console().print(table)
     if args.json:
         print(f"wrote {write_json(args.json, report)}")
     if args.out:

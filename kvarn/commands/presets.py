@@ -56,20 +56,22 @@ def _bits(v: Any) -> str:
 
 
 def print_table(rows: list[dict[str, Any]], head_dim: int) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvarn.console import console
 
     table = Table(title=f"kvarn presets (bits/element measured at head_dim {head_dim})")
     for col, just in (("name", "left"), ("family", "left"), ("K bits", "right"), ("V bits", "right"),
                       ("tile", "right"), ("sink", "right"), ("V window", "left"), ("bits/elem", "right"),
                       ("description", "left")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+        # names and numbers never wrap; only the description folds when the terminal is narrow
+        table.add_column(col, justify=just, no_wrap=col != "description")  # type: ignore[arg-type]
     for r in rows:
         bpe = f"{r['bits_per_element']:.4f}" if r["bits_per_element"] is not None else f"n/a: {r['error']}"
         name = r["name"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "")
         table.add_row(name, r["family"], _bits(r["k_bits"]), _bits(r["v_bits"]), str(r["tile"]), str(r["sink"]),
                       r["value_window"], bpe, r["description"])
-    Console().print(table)
+    console().print(table)
 
 
 def run(args: argparse.Namespace) -> int:

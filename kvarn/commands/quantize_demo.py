@@ -91,8 +91,9 @@ def evaluate(preset, kv, head_dim: int) -> dict[str, Any]:
 
 
 def print_table(rows: list[dict[str, Any]], title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvarn.console import console
 
     table = Table(title=title)
     table.add_column("preset")
@@ -106,7 +107,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
         k, v = r["keys"], r["values"]
         stats = [f"{s[m]:.4f}" for s in (k, v) for m in ("rel_mse", "norm_err_mean", "norm_err_max")]
         table.add_row(r["name"], f"{r['bits_per_element']:.4f}", *stats)
-    Console().print(table)
+    console().print(table)
 
 
 def run(args: argparse.Namespace) -> int:
