@@ -57,4 +57,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n[{preset.name}] {n} tokens in {dt:.1f} s ({n / dt:.1f} tok/s, prefill included) | KV cache "
           f"{b.total / 2**20:.2f} MiB held vs {fp16 / 2**20:.2f} MiB in fp16 ({fp16 / max(b.total, 1):.2f}x smaller, "
           f"{b.bits_per_element:.2f} bits/element over {ids.shape[1] + n - 1} cached tokens)")
+    if preset.quantized and b.packed == 0:
+        print(f"  no tile quantized yet: tiles of {preset.tile} tokens are quantized once the cache holds more than "
+              f"the sink ({preset.sink if args.sink is None else args.sink}) plus one tile")
     return 0
