@@ -164,18 +164,28 @@ def _rotated_query(qs: torch.Tensor, qh: torch.Tensor | None, rotate: str, flag:
     return torch.where(flag[..., None, None], qh.unsqueeze(2), qs.unsqueeze(2))
 
 
+def _dequant_matmul(x: torch.Tensor, codes: torch.Tensor, a: torch.Tensor, z: torch.Tensor, col: torch.Tensor | None,
+                    rows_contracted: bool) -> torch.Tensor:
+    """A tile stored as T[r, c] = col[c] * (a[r] * codes[r, c] + z[r]) (row scale and zero per row r, optional
+    column scale per column c), multiplied by x without forming T. x [B, H, n|1, M, K] -> [B, H, n, M, N].
+
+    rows_contracted (codes [.., K, N]):  x @ T   = col * ((x * a) @ codes + x . z)
+    otherwise       (codes [.., N, K]):  x @ T^T = a * ((x * col) @ codes^T) + z * sum(x * col)
+    """
+    if rows_contracted:
+        out = (x * a.unsqueeze(3)) @ codes + (x * z.unsqueeze(3)).sum(-1, keepdim=True)
+        return out * col.unsqueeze(3) if col is not None else out
+    xc = x * col.unsqueeze(3) if col is not None else x
+    return (xc @ codes.transpose(-1, -2)) * a.unsqueeze(3) + z.unsqueeze(3) * xc.sum(-1, keepdim=True)
+
+
 def _affine_key_logits(qs: torch.Tensor, qh: torch.Tensor | None, view: StoredKV, first: int, last: int,
                        cd: torch.dtype) -> torch.Tensor:
     """qs [B, H, M, D] -> logits [B, H, M, (last - first) * G] of packed key tiles."""
     codes, a, z, col, flag = _fields(view, first, last, cd)
     qt = _rotated_query(qs, qh, view.quantizer.config.rotate, flag)  # [B, H, n|1, M, D]
-    if view.quantizer.config.axis == "channel":  # codes [B, H, n, D, G]
-        s = (qt * a.unsqueeze(3)) @ codes + (qt * z.unsqueeze(3)).sum(-1, keepdim=True)
-        if col is not None:
-            s = s * col.unsqueeze(3)
-    else:  # codes [B, H, n, G, D]
-        qc = qt * col.unsqueeze(3) if col is not None else qt
-        s = (qc @ codes.transpose(-1, -2)) * a.unsqueeze(3) + z.unsqueeze(3) * qc.sum(-1, keepdim=True)
+    # keys per channel: codes [B, H, n, D, G], row scales on D (contracted); per token: [B, H, n, G, D]
+    s = _dequant_matmul(qt, codes, a, z, col, view.quantizer.config.axis == "channel")
     b, h, n, m, g = s.shape
     return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n * g)
 
@@ -186,13 +196,8 @@ def _affine_value_out(p: torch.Tensor, view: StoredKV, first: int, last: int, cd
     b, h, m, _ = p.shape
     n = last - first
     pt = p.reshape(b, h, m, n, view.tile).transpose(2, 3)  # [B, H, n, M, G]
-    if view.quantizer.config.axis == "token":  # codes [B, H, n, G, D]
-        o = (pt * a.unsqueeze(3)) @ codes + (pt * z.unsqueeze(3)).sum(-1, keepdim=True)
-        if col is not None:
-            o = o * col.unsqueeze(3)
-    else:  # codes [B, H, n, D, G]
-        pc = pt * col.unsqueeze(3) if col is not None else pt
-        o = (pc @ codes.transpose(-1, -2)) * a.unsqueeze(3) + z.unsqueeze(3) * pc.sum(-1, keepdim=True)
+    # values per token: codes [B, H, n, G, D], row scales on G (contracted); per channel: [B, H, n, D, G]
+    o = _dequant_matmul(pt, codes, a, z, col, view.quantizer.config.axis == "token")
     rotate = view.quantizer.config.rotate
     if rotate == "none":
         return o.sum(2)
