@@ -158,6 +158,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def result_header(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """The first fields of every analysis's JSON: its name, the provenance of the run (all options), the model."""
+    return {"analysis": command, "provenance": provenance(**{k: v for k, v in vars(args).items() if k != "func"}),
+            "model": args.model}
+
+
+def publish(result: dict, json_path: str | Path, out: str | Path, md: str) -> None:
+    """Write an analysis's JSON and its markdown summary (`out`/summary.md), and print the summary."""
+    write_json(json_path, result)
+    Path(out, "summary.md").write_text(md)
+    print(md)
+
+
 def setup(args: argparse.Namespace) -> None:
     """Seed every generator with --seed, apply --threads and limit heap fragmentation, before an analysis runs."""
     seed_everything(args.seed)

@@ -23,9 +23,9 @@ from kvarn.eval.common import (
     parse_methods,
     positive_int,
     progress,
-    provenance,
+    publish,
+    result_header,
     seed_everything,
-    write_json,
 )
 
 COMMAND = "compare"
@@ -68,14 +68,10 @@ def run(args: argparse.Namespace) -> int:
                      "greedy_agreement": g.top1_agreement, "first_divergence": g.first_divergence,
                      "greedy_kl": g.mean_kl})
     bar.close()
-    result = {"analysis": COMMAND, "provenance": provenance(**{k: v for k, v in vars(args).items() if k != "func"}),
-              "model": args.model, "tokens": int(ids.shape[1]), "block": args.block, "gen_tokens": args.gen_tokens,
-              "rows": rows}
+    result = {**result_header(args, COMMAND), "tokens": int(ids.shape[1]), "block": args.block,
+              "gen_tokens": args.gen_tokens, "rows": rows}
     out = Path(args.out)
-    write_json(out / "compare.json", result)
-    md = summary_markdown(result)
-    (out / "summary.md").write_text(md)
-    print(md)
+    publish(result, out / "compare.json", out, summary_markdown(result))
     return 0
 
 

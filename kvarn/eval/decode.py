@@ -30,9 +30,9 @@ from kvarn.eval.common import (
     markdown_table,
     parse_methods,
     positive_int,
-    provenance,
+    publish,
+    result_header,
     seed_everything,
-    write_json,
 )
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
@@ -129,18 +129,14 @@ def run(args: argparse.Namespace) -> int:
     d, n_layers = head_dim(model), len(decoder_layers(model))
     sink = args.sink if args.sink is not None else sorted({p.sink for p in presets})
     result = {
-        "analysis": COMMAND, "provenance": provenance(**{k: v for k, v in vars(args).items() if k != "func"}),
-        "model": args.model, "text": str(args.text or "wikitext-2 test"), "offset": args.offset,
+        **result_header(args, COMMAND), "text": str(args.text or "wikitext-2 test"), "offset": args.offset,
         "tokens": int(ids.shape[1]),
         "sink": sink, "last": args.last, "attention": args.attention, "num_layers": n_layers, "head_dim": d,
         "runs": [run_record(tr, tr.spec.preset.bits_per_element(d, n_layers), args.last) for tr in traces],
     }
     out = Path(args.out)
-    write_json(Path(args.json) if args.json else out / "decode.json", result)
     from kvarn.eval import plots
 
     plots.kl_vs_position(result, out / "kl_vs_position.png")
-    md = summary_markdown(result)
-    (out / "summary.md").write_text(md)
-    print(md)
+    publish(result, Path(args.json) if args.json else out / "decode.json", out, summary_markdown(result))
     return 0

@@ -40,9 +40,9 @@ from kvarn.eval.common import (
     parse_methods,
     positive_int,
     progress,
-    provenance,
+    publish,
+    result_header,
     setup,
-    write_json,
 )
 from kvarn.eval.forward import head_dim
 from kvarn.presets import Preset
@@ -197,18 +197,14 @@ def run(args: argparse.Namespace) -> int:
 
     with torch.inference_mode():
         records, samples = run_decomposition(kv, presets, args.sink, plot_layer, unrope)
-    result = {"analysis": COMMAND, "provenance": provenance(**{k: v for k, v in vars(args).items() if k != "func"}),
-              "model": args.model, "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
+    result = {**result_header(args, COMMAND), "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
               "head_dim": head_dim(model), "num_layers": n_layers, "plot_layer": plot_layer, "results": records}
     out = Path(args.out)
-    write_json(out / "decompose.json", result)
     from kvarn.eval import plots
 
     for kind in KINDS:
         if samples[kind]:
             plots.norm_error_vs_norm(samples[kind], out / f"norm_error_{kind}.png", kind, plot_layer)
             plots.joint_error(samples[kind], out / f"joint_{kind}.png", kind, plot_layer)
-    md = summary_markdown(result)
-    (out / "summary.md").write_text(md)
-    print(md)
+    publish(result, out / "decompose.json", out, summary_markdown(result))
     return 0

@@ -31,9 +31,9 @@ from kvarn.eval.common import (
     parse_methods,
     positive_int,
     progress,
-    provenance,
+    publish,
+    result_header,
     setup,
-    write_json,
 )
 from kvarn.eval.engine import MODES, RunSpec
 from kvarn.eval.forward import forward_block, inference, newest_kv, override_store, quantized_cache, reference_cache
@@ -187,14 +187,10 @@ def run(args: argparse.Namespace) -> int:
 
     model, tok = load_model(args.model)
     specs = [RunSpec(p.name, p, m) for p in presets for m in modes if m in MODES]
-    result = {"analysis": COMMAND, "provenance": provenance(**{k: v for k, v in vars(args).items() if k != "func"}),
-              "model": args.model, "new_tokens": args.new_tokens, "block": args.block, "seed": args.seed,
+    result = {**result_header(args, COMMAND), "new_tokens": args.new_tokens, "block": args.block, "seed": args.seed,
               **evaluate(model, tok, specs, args.lines, args.queries, args.block, args.new_tokens, args.seed,
                          args.sink)}
     out = Path(args.out)
-    write_json(out / "lines.json", result)
     write_plots(result, out)
-    md = summary_markdown(result)
-    (out / "summary.md").write_text(md)
-    print(md)
+    publish(result, out / "lines.json", out, summary_markdown(result))
     return 0

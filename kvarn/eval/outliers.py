@@ -21,9 +21,9 @@ from kvarn.eval.common import (
     markdown_table,
     parse_methods,
     positive_int,
-    provenance,
+    publish,
+    result_header,
     setup,
-    write_json,
 )
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import head_dim
@@ -122,14 +122,10 @@ def run(args: argparse.Namespace) -> int:
                 specs.append(RunSpec(p.name, patched_preset(p, args.fraction, g, which)))
                 meta.append((which, g, fixed_share(args.fraction, g, which, p.key(d).tile, d)))
     _, traces = run_blocks(model, ids, specs, args.block, sink=args.sink, desc=COMMAND)
-    result = {"analysis": COMMAND, "provenance": provenance(**{k: v for k, v in vars(args).items() if k != "func"}),
-              "model": args.model, "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
+    result = {**result_header(args, COMMAND), "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
               "block": args.block, "fraction": args.fraction,
               "results": [record(tr, *m) for tr, m in zip(traces, meta)]}
     out = Path(args.out)
-    write_json(out / "outliers.json", result)
     write_plots(result, out)
-    md = summary_markdown(result)
-    (out / "summary.md").write_text(md)
-    print(md)
+    publish(result, out / "outliers.json", out, summary_markdown(result))
     return 0

@@ -29,9 +29,9 @@ from kvarn.eval.common import (
     parse_methods,
     positive_int,
     progress,
-    provenance,
+    publish,
+    result_header,
     setup,
-    write_json,
 )
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
@@ -136,14 +136,10 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model)
     ids = load_tokens(tok, args.text, args.max_tokens)
     stride = args.stride or args.window
-    result = {"analysis": COMMAND, "provenance": provenance(**{k: v for k, v in vars(args).items() if k != "func"}),
-              "model": args.model, "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
+    result = {**result_header(args, COMMAND), "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
               "window": args.window, "stride": stride, "block": args.block,
               **evaluate(model, ids, presets, args.window, stride, args.block, args.sink)}
     out = Path(args.out)
-    write_json(out / "ppl.json", result)
     write_plots(result, out)
-    md = summary_markdown(result)
-    (out / "summary.md").write_text(md)
-    print(md)
+    publish(result, out / "ppl.json", out, summary_markdown(result))
     return 0

@@ -24,9 +24,9 @@ from kvarn.eval.common import (
     markdown_table,
     parse_methods,
     positive_int,
-    provenance,
+    publish,
+    result_header,
     setup,
-    write_json,
 )
 from kvarn.eval.engine import MODES, RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
@@ -140,14 +140,11 @@ def run(args: argparse.Namespace) -> int:
     _, traces = run_blocks(model, ids, specs, args.block, sink=args.sink, desc=COMMAND)
     d, n_layers = head_dim(model), len(decoder_layers(model))
     result = {
-        "analysis": COMMAND, "provenance": provenance(**{k: v for k, v in vars(args).items() if k != "func"}),
-        "model": args.model, "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
+        **result_header(args, COMMAND), "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
         "block": args.block, "num_layers": n_layers, "block_ends": traces[0].block_ends if traces else [],
         "runs": [trace_record(tr, tr.spec.preset.bits_per_element(d, n_layers)) for tr in traces],
     }
     out = Path(args.out)
-    write_json(out / "pseudo_decode.json", result)
     write_plots(result, out)
-    (out / "summary.md").write_text(summary_markdown(result))
-    print(summary_markdown(result))
+    publish(result, out / "pseudo_decode.json", out, summary_markdown(result))
     return 0
