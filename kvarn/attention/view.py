@@ -6,8 +6,10 @@ Positions [0, T) of one tensor kind (keys or values), every batch row and KV hea
     [s, s + n*G)           n packed tiles of G tokens                    packed fields [B, H, n, ...]
     [s + n*G, T)           tail, exact                                   tail   [B, H, t, D]
 
-The store never modifies a tensor in place (it appends by concatenation), so a view made of references stays valid
-after later appends: the cache layer takes one before appending the current tokens and hands it to the attention.
+A view is made of slices of the store's buffers: later appends write only beyond the view's end (the sink and packed
+buffers grow in place after their used part, the tail is replaced by a new tensor), and crop or batch reordering
+allocate fresh tensors, so a view stays valid after them: the cache layer takes one before appending the current
+tokens and hands it to the attention (`kvarn.cache.store`, `kvarn.cache.buffer`).
 
 `post` maps stored rows to what attention needs (RoPE for keys stored before RoPE): post(x [B, H, t, D], first) with
 `first` the position of x's first row.
