@@ -81,9 +81,11 @@ def walk_bytes(cache: KVarNCache) -> int:
     total = 0
     for layer in cache.layers:
         if isinstance(layer, KVarNLayer):
-            tensors = [layer.positions]
-            for s in (layer.store.keys, layer.store.values):
-                tensors += [s.sink, s.tail, s.exact_values, *s.packed.fields.values()]
+            q = layer.store.queries
+            tensors = [layer.positions, None if q is None else q.sum]
+            for s in (layer.store.keys, layer.store.values):  # whole buffers: spare capacity is held too
+                tensors += [s._sink.data, s.tail, s.tail_pad, s.exact_values,
+                            *(b.data for b in s._packed.fields.values())]
                 if s.exact_values is not None:
                     tensors.append(s.exact_index)
         else:
