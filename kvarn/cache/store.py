@@ -149,12 +149,13 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 def neutral_pads(tiles: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """tiles [B, H, m, G, D], pad [B, m, G] bool -> (tiles with pad rows replaced by the mean of the tile's non-pad
-    rows of their batch row and head, computed in float32; zeros for an all-pad tile, pad tokens, all-pad tiles)."""
+    rows of their batch row and head, computed in float32 (float64 input: float64); zeros for an all-pad tile,
+    pad tokens, all-pad tiles). Non-pad rows are left untouched."""
     p = pad[:, None, :, :, None]  # [B, 1, m, G, 1]
     real = (~pad).sum(-1)  # [B, m]
-    x = tiles.float()
+    x = tiles if tiles.dtype == torch.float64 else tiles.float()
     mean = torch.where(p, 0.0, x).sum(3) / real.clamp_min(1)[:, None, :, None]  # [B, H, m, D]
-    out = torch.where(p, mean.unsqueeze(3), x).to(tiles.dtype)
+    out = torch.where(p, mean.to(tiles.dtype).unsqueeze(3), tiles)
     return out, int(pad.sum()), int((real == 0).sum())
 
 
