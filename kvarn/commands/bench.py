@@ -25,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--presets", default=MEMORY_PRESETS)
     m.add_argument("--contexts", default="1024,4096,16384")
     m.add_argument("--json", type=Path, default=None)
+    m.add_argument("--long", action="store_true", help="long run: bytes held vs nbytes() every 1k tokens, first "
+                   "preset of --presets (kvarn.bench.memory.long_run)")
+    m.add_argument("--tokens", type=int, default=32768, help="tokens of the --long run")
     m.set_defaults(func=run_memory)
 
 
@@ -74,6 +77,10 @@ def run_memory(args: argparse.Namespace) -> int:
 
     cfg = AutoConfig.from_pretrained(resolve(args.model))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if args.long:
+        from kvarn.bench.memory import run_long
+
+        return run_long(args, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = bench_memory(_presets(args.presets), contexts, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
     shape = f"{cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} heads x {head_dim}"
