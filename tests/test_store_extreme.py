@@ -184,3 +184,16 @@ def test_nonfinite_error_refuses_and_leaves_the_store_intact():
     assert store.length == store.values.length == SINK + G  # neither keys nor values changed
     with pytest.raises(ValueError, match="nonfinite must be"):
         LayerStore(preset("kvarn"), D, nonfinite="ignore")
+
+
+def test_cache_threads_nonfinite_error():
+    from transformers import LlamaConfig
+
+    from kvarn.cache.hf import KVarNCache
+
+    cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, hidden_size=32, head_dim=16)
+    cache = KVarNCache(cfg, "rtn-k2v2-g64", nonfinite="error")
+    k = torch.randn(1, 2, 3, 16)
+    k[0, 0, 2, 0] = float("inf")
+    with pytest.raises(ValueError, match="non-finite K/V value inf at batch 0, head 0, position 2"):
+        cache.update(k, k.clone(), 0)

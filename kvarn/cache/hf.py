@@ -87,11 +87,11 @@ class KVarNLayer(CacheLayerMixin):
     def __init__(self, preset: Preset | str, num_kv_heads: int, head_dim: int, sink: int | None = None,
                  quantize: bool = True, keep_decoded: bool = False, rope: Rope | None = None,
                  packed: Callable[[], bool] = lambda: False, layer_idx: int | None = None,
-                 exact_dtype: torch.dtype | None = None) -> None:
+                 exact_dtype: torch.dtype | None = None, nonfinite: str = "exact") -> None:
         super().__init__()
         self.preset = get_preset(preset)
         self.num_kv_heads, self.head_dim, self.layer_idx = num_kv_heads, head_dim, layer_idx
-        self._store_args = (self.preset, head_dim, sink, quantize, keep_decoded, exact_dtype)
+        self._store_args = (self.preset, head_dim, sink, quantize, keep_decoded, exact_dtype, nonfinite)
         self.store = LayerStore(*self._store_args)
         self.rope = rope
         self.positions: torch.Tensor | None = None  # [B, T] int32, only with `rope`
@@ -244,13 +244,15 @@ class KVarNCache(Cache):
                   float32 model's sink would otherwise cost 4 bytes per element); None keeps the model's dtype.
                   Values beyond float16's range keep that store's sink in the model's dtype (`kvarn.cache.store`).
                   The transient tail, full-precision layers and the `fp16` preset keep the model's dtype.
+    nonfinite     "exact": tiles with NaN/Inf or overflow are kept exact (counted); "error": refuse them
+                  (kvarn.cache.store)
     attention     "auto": packed reads when the model runs attn_implementation "kvarn", else reference;
                   "reference": always return dequantized K/V
     """
 
     def __init__(self, config, preset: Preset | str = DEFAULT_PRESET, sink: int | None = None,
                  keep_decoded: bool = False, attention: AttentionPath = "auto",
-                 exact_dtype: torch.dtype | None = torch.float16) -> None:
+                 exact_dtype: torch.dtype | None = torch.float16, nonfinite: str = "exact") -> None:
         if attention not in ("auto", "reference"):
             raise ValueError(f"attention must be 'auto' or 'reference', got {attention!r}")
         self.config = config
@@ -269,7 +271,7 @@ class KVarNCache(Cache):
                 quantize = self.preset.quantized and not (i < first or i >= n - last)
                 rope = Rope(text, "full_attention") if quantize and self.preset.key_pre_rope else None
                 layers.append(KVarNLayer(self.preset, self.num_kv_heads, self.head_dim, sink, quantize, keep_decoded,
-                                         rope, self._packed_reads, i, exact_dtype if quantize else None))
+                                         rope, self._packed_reads, i, exact_dtype if quantize else None, nonfinite))
             elif kind == "dummy":
                 layers.append(DummyLayer())
             else:

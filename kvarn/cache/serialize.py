@@ -201,7 +201,7 @@ def _restore_store(s: TensorStore, state: dict[str, Any], prefix: str, t: dict[s
 
 
 def load_cache(path: str | PathLike, config, preset: Preset | str | None = None, attention: str | None = None,
-               keep_decoded: bool = False, device: torch.device | str = "cpu") -> KVarNCache:
+               keep_decoded: bool = False, device: torch.device | str = "cpu", nonfinite: str = "exact") -> KVarNCache:
     """A `KVarNCache` for `config` holding exactly what `save_cache` wrote to `path`. `preset` defaults to the saved
     preset's name (a custom `Preset` must be passed); `attention` to the saved read path."""
     header, tensors = _read(path)
@@ -216,7 +216,7 @@ def load_cache(path: str | PathLike, config, preset: Preset | str | None = None,
     _check(header, tensors, path, config, preset, head_dim)
     sink = next((lay["keys"]["sink_len"] for lay in header["layers"] if lay["kind"] == "kvarn"), None)
     cache = KVarNCache(config, preset, sink=sink, keep_decoded=keep_decoded,
-                       attention=attention or header.get("attention", "auto"))
+                       attention=attention or header.get("attention", "auto"), nonfinite=nonfinite)
     for i, (layer, info) in enumerate(zip(cache.layers, header["layers"])):
         p = f"layers.{i}"
         if info["kind"] == "kvarn":
