@@ -37,6 +37,8 @@ def check_held(cache: KVarNCache, when: str) -> tuple[float, float]:
     assert held <= 1.05 * nb.total, f"{when}: held {held} > 1.05 x nbytes() {nb.total}"
     assert held <= 0.2 * fp16, f"{when}: held {held / fp16:.3f}x the fp16 size"
     assert nb.reserved <= SPARE * (nb.packed + nb.sink) + 1
+    print(f"{when}: held {held} B = {held / nb.total:.4f} x nbytes().total, {held / nb.content:.4f} x content, "
+          f"{held / fp16:.4f} x fp16 ({fp16} B)")
     return held / nb.total, held / fp16
 
 
@@ -49,14 +51,14 @@ def test_bytes_held_after_prefill_and_decoding(preset, dtype, prompt_kv):
     k, v = (t.to(dtype) for t in prompt_kv)
     for i in range(LAYERS):
         cache.update(k, v, i)
-    check_held(cache, "after the prefill")
+    check_held(cache, f"{preset} {dtype} after the prefill")
     g = torch.Generator().manual_seed(1)
     for step in range(30):  # crosses the next flush: 8292 = 128 sink + 63 tiles + 100 tail tokens
         kn = torch.randn(1, KV_HEADS, 1, HEAD_DIM, generator=g).to(dtype)
         for i in range(LAYERS):
             cache.update(kn, kn, i)
         if step in (0, 29):
-            check_held(cache, f"after {step + 1} decode steps")
+            check_held(cache, f"{preset} {dtype} after {step + 1} decode steps")
     assert cache.layers[0].store.keys.n_tiles == 64
 
 
