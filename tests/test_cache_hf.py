@@ -383,15 +383,15 @@ def store_state(cache: KVarNCache) -> list[torch.Tensor]:
 @pytest.mark.parametrize("preset", ["kvarn-k2v2-g64", "kvarn-auto-k2v2-g64"])
 def test_crop_is_exact_where_drafts_reach(preset, seed):
     """Sink 8, G = 64. After a prefill of 130 tokens (tail 72..129) a draft step of 8 tokens completes tile [72, 136);
-    crops of 5 (into that tile), 60 (to its start) and 2 (within the tail) leave the cache exactly as if it had been
-    fed only the kept tokens, and later tokens are quantized exactly alike; so does a prefill fed with its drafts
-    (what transformers does first). A crop reaching an older tile is lossy: the survivors of the dropped tile come
-    back dequantized (`restored_tokens`), as documented. Keys without queries (no attention here) use the policy's
-    unweighted choice on both sides alike."""
+    crops of 5 (into that tile), 66 (to its start), 2 (within the tail) and 1 leave the cache exactly as if it had
+    been fed only the kept tokens, and later tokens are quantized exactly alike. After a prefill (here fed with its
+    drafts, as transformers does first) or a single-token step, nothing is kept: a crop into the tile they completed
+    is lossy, the survivors come back as they were read (dequantized, `restored_tokens`), as documented. Keys without
+    queries (no attention here) use the policy's unweighted choice on both sides alike."""
     config = tiny("llama").config
     gen = torch.Generator().manual_seed(seed)
     k, v = torch.randn(2, 2, 200, 64, generator=gen), torch.randn(2, 2, 200, 64, generator=gen)
-    for chunks, remove in (([130, 8], 5), ([130, 8], 66), ([130, 8], 2), ([138], 5), ([130, 8], 1)):
+    for chunks, remove in (([130, 8], 5), ([130, 8], 66), ([130, 8], 2), ([130, 8], 1)):
         cropped = KVarNCache(config, preset, sink=8)
         feed(cropped, k, v, chunks)
         cropped.layers[0].store.settle()  # kvarn-auto's key tiles wait for queries (none here)
@@ -408,16 +408,19 @@ def test_crop_is_exact_where_drafts_reach(preset, seed):
         for a, b in zip(store_state(cropped), store_state(plain)):
             assert torch.equal(a, b), (chunks, remove, "after")
         assert cropped.layers[0].store.stats.restored_tokens == 0
-    # a single-token step completes tile [72, 136), then a crop of 1: its survivors come back as they were read
-    lossy = KVarNCache(config, preset, sink=8)
-    feed(lossy, k, v, [135, 1])
-    lossy.layers[0].store.settle()
-    tile = lossy.layers[0].store.keys.dequantized_tiles()[:, :, 64:127].clone()
-    lossy.crop(-1)
-    store = lossy.layers[0].store
-    assert store.keys.n_tiles == 1 and store.stats.restored_tokens == 2 * 2 * 63  # keys and values, 2 rows
-    assert torch.equal(store.keys.tail, tile)
-    assert lossy.nbytes().total == walk_bytes(lossy)
+    # a prefill with drafts, or a single-token step, completes tile [72, 136); a crop into it restores its survivors
+    for chunks, remove in (([138], 5), ([135, 1], 1)):
+        lossy = KVarNCache(config, preset, sink=8)
+        feed(lossy, k, v, chunks)
+        lossy.layers[0].store.settle()
+        keep = sum(chunks) - remove
+        tile = lossy.layers[0].store.keys.dequantized_tiles()[:, :, 64:keep - 8].clone()
+        assert all(layer._undo is None for layer in lossy.layers)
+        lossy.crop(-remove)
+        store = lossy.layers[0].store
+        assert store.keys.n_tiles == 1 and store.stats.restored_tokens == 2 * 2 * (keep - 72)  # keys, values; 2 rows
+        assert torch.equal(store.keys.tail, tile)
+        assert lossy.nbytes().total == walk_bytes(lossy)
 
 
 # -- layers left alone, overrides ---------------------------------------------------------------------------------

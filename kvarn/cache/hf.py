@@ -38,14 +38,17 @@ build their masks that way) and passes them to the store, which keeps them out o
 ready-made 4-D mask, or none, no position is known to be a pad and pads are stored like tokens.
 
 Cropping (assisted decoding, prompt lookup: `crop(-n)` removes the newest n tokens, the draft tokens the model
-rejected; transformers feeds the prompt together with the first drafts). Within the exact tail a crop is exact. A crop
-that cuts into the last tile an update completed is exact too: after a multi-token update whose last completed tile
-ends fewer than `UNDO_REACH` (32) tokens before its end, so that a crop of up to 32 draft tokens can reach it, the layer
-keeps that tile's exact K/V until the next update (`_Kept`, counted in `nbytes().tail`); the crop drops the tile and
-re-appends its surviving tokens exactly, so it is quantized again from the same K/V as in plain decoding. Single-token
-steps (plain decoding) keep nothing. A crop reaching further back is lossy: the tiles holding removed positions are
-dropped and their surviving tokens return to the tail as attention read them (dequantized), to be quantized again
-(`LayerStore.crop`, counted in `stats.restored_tokens`).
+rejected). Within the exact tail a crop is exact. A crop that cuts into the last tile a verification step completed
+is exact too: after an update of 1 < q <= G tokens on a non-empty cache whose last completed tile ends fewer than
+`UNDO_REACH` (32) tokens before its end, so that a crop of up to 32 draft tokens can reach it, the layer keeps that
+tile's exact K/V until the next update (`_Kept`, counted in `nbytes().tail`); the crop drops the tile and re-appends
+its surviving tokens exactly, so it is quantized again from the same K/V as in plain decoding. Prefills and
+single-token steps keep nothing (the cache holds its compact size at every moment of plain generation). A crop
+reaching further back is lossy: the tiles holding removed positions are dropped and their surviving tokens return to
+the tail as attention read them (dequantized), to be quantized again (`LayerStore.crop`, counted in
+`stats.restored_tokens`). That includes transformers' first verification, which feeds the prompt together with the
+first drafts: when those drafts complete a tile (probability about drafts / G) and are rejected, the prompt tokens of
+that tile come back dequantized.
 
 Non-finite K/V: a tile holding NaN/Inf is kept exact by the store (counted in `Bytes.exact_tiles`); attention then
 propagates the non-finite values exactly as full-precision attention would.
@@ -264,7 +267,7 @@ class KVarNLayer(CacheLayerMixin):
                 pad: torch.Tensor | None) -> None:
         self._undo = None
         stores = (self.store.keys, self.store.values)
-        multi = k.shape[2] > 1
+        multi = 1 < k.shape[2] <= self.preset.tile and self.store.length > 0  # a draft-verification step
         if multi:
             self.store.settle()
             before = [(x.tail_start, x.tail, x.tail_pad) for x in stores]
