@@ -112,18 +112,19 @@ def assistant(real_model):
                             vocab=real_model[0].config.vocab_size)
     model.generation_config.num_assistant_tokens = 5
     model.generation_config.num_assistant_tokens_schedule = "constant"
+    model.generation_config.assistant_confidence_threshold = 0.0  # always draft 5 (a random model is never sure)
     return model
 
 
 @pytest.mark.parametrize("preset", ["kvarn-k2v2-g64", pytest.param("kvarn-auto-k2v2-g64", marks=pytest.mark.slow)])
 def test_assisted_and_prompt_lookup(real_model, text_ids, assistant, preset, monkeypatch):
-    """Assisted decoding and prompt lookup crop the cache after each verification. With a 118-token prompt, the
+    """Assisted decoding and prompt lookup crop the cache after each verification. With a 122-token prompt, the
     verification steps of 6 tokens complete tile [64, 128) and the crops cut into it. Those crops are exact (no
     token restored from a dequantized tile), so greedy tokens equal plain greedy decoding with the same preset and
     the logits agree (tolerance 1e-2: the tile is quantized from K/V computed in a verification chunk instead of one
     token at a time, float32 rounding apart, so a code may flip; module docstring)."""
     model, _ = real_model
-    ids = text_ids[:, :118]
+    ids = text_ids[:, :122]
     plain = generate(model, ids, KVarNCache(model.config, preset, sink=0), 8)
     crops = []
     real = KVarNLayer.crop
