@@ -9,6 +9,7 @@ relative per op) amplified through a 2-layer random model stays two orders of ma
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from transformers import AutoConfig, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import kvarn.attention
+import kvarn.attention.packed as packed_mod
 from kvarn.cache.hf import KVarNCache, KVarNLayer
 from kvarn.cache.rope import Rope
 from kvarn.cache.store import Bytes
@@ -76,6 +78,21 @@ def forward_steps(model, ids, cache, chunks, mask=None, positions=None):
     return torch.cat(out, dim=1)
 
 
+def packed_calls(fn):
+    """(fn(), number of packed_attention calls over a stored past it made)."""
+    real, calls = packed_mod.packed_attention, []
+
+    def counted(query, key, value, past, *args, **kwargs):
+        calls.append(past is not None)
+        return real(query, key, value, past, *args, **kwargs)
+
+    packed_mod.packed_attention = counted
+    try:
+        return fn(), sum(calls)
+    finally:
+        packed_mod.packed_attention = real
+
+
 def walk_bytes(cache: KVarNCache) -> int:
     """Bytes of every tensor the cache layers actually hold, found by walking them."""
     total = 0
@@ -83,6 +100,7 @@ def walk_bytes(cache: KVarNCache) -> int:
         if isinstance(layer, KVarNLayer):
             q = layer.store.queries
             tensors = [layer.positions, None if q is None else q.sum]
+            tensors += [t for kept in layer._undo or () if kept is not None for t in (kept.x, kept.pad)]
             for s in (layer.store.keys, layer.store.values):  # whole buffers: spare capacity is held too
                 tensors += [s._sink.data, s.tail, s.tail_pad, s.exact_values,
                             *(b.data for b in s._packed.fields.values())]
@@ -123,32 +141,96 @@ def test_real_model_matches_dynamic_cache(real_model):
 # -- packed reads inside the models ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_matches_reference_in_model(family, seed):
-    """Prefill over several tiles, a 5-token chunk, then decode steps: logits under "kvarn" (packed reads) equal
-    those of the model's own attention on dequantized K/V (reference reads)."""
+    """Prefill over several tiles, a 5-token chunk, then decode steps: logits of packed reads, taken by default under
+    the model's own implementation ("sdpa"; Gemma2 runs "eager", which keeps the reference path) and under "kvarn",
+    equal those of the model's own attention on dequantized K/V (the reference path, `attention="reference"`)."""
     model = tiny(family)
     gen = torch.Generator().manual_seed(seed)
     ids = prompt(150 + 5 + 3, gen=gen)
     chunks = [150, 5, 1, 1, 1]
     # kvarn-auto chooses key rotations from the queries the attention observes; the model's own "eager" (Gemma2)
     # observes none, so its reference run would choose differently from the packed run: compare on kvarn there
-    preset = "kvarn-k2v2-g64" if model.config._attn_implementation == "eager" else "kvarn-auto-k2v2-g64"
-    ref_cache = KVarNCache(model.config, preset, sink=8)
-    ref = forward_steps(model, ids, ref_cache, chunks)
-    with attn(model, "kvarn"):
-        cache = KVarNCache(model.config, preset, sink=8)
-        got = forward_steps(model, ids, cache, chunks)
-    full = [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVarNLayer)]
-    assert full and all(cache.layers[i].store.keys.n_tiles == 2 for i in full)
-    # float32 end to end; the packed path sums logits and outputs in another order than SDPA/eager over the
-    # dequantized K/V, and through several layers (Gemma2's softcap included) that reaches a few 1e-4 relative
-    diff = f"max diff {(got - ref).abs().max()}, max |ref| {ref.abs().max()}"
-    assert close(got, ref, rel=1e-3), f"packed vs reference: {diff}"
+    own = model.config._attn_implementation
+    preset = "kvarn-k2v2-g64" if own == "eager" else "kvarn-auto-k2v2-g64"
+    ref = forward_steps(model, ids, KVarNCache(model.config, preset, sink=8, attention="reference"), chunks)
+    for impl in dict.fromkeys((own, "kvarn")):
+        with attn(model, impl):
+            cache = KVarNCache(model.config, preset, sink=8)
+            got, calls = packed_calls(lambda: forward_steps(model, ids, cache, chunks))  # noqa: B023
+        full = [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVarNLayer)]
+        assert full and all(cache.layers[i].store.keys.n_tiles == 2 for i in full)
+        assert calls == (0 if impl == "eager" else 4 * len(full)), impl  # every step after the prefill
+        # float32 end to end; the packed path sums logits and outputs in another order than SDPA/eager over the
+        # dequantized K/V, and through several layers (Gemma2's softcap included) that reaches a few 1e-4 relative
+        diff = f"max diff {(got - ref).abs().max()}, max |ref| {ref.abs().max()}"
+        assert close(got, ref, rel=1e-3), f"packed ({impl}) vs reference: {diff}"
     with attn(model, "kvarn"):  # attention="reference" keeps dequantized reads under "kvarn" too
-        forced = forward_steps(model, ids, KVarNCache(model.config, preset, sink=8, attention="reference"), chunks)
-    assert close(forced, ref)
+        forced = KVarNCache(model.config, preset, sink=8, attention="reference")
+        got, calls = packed_calls(lambda: forward_steps(model, ids, forced, chunks))
+    assert calls == 0 and close(got, ref)
     # and the reference path itself differs from an unquantized run (the test would see a no-op cache)
     exact = forward_steps(model, ids, DynamicCache(config=model.config), chunks)
     assert not close(ref[:, 150:], exact[:, 150:], 1e-6), f"quantized == exact: {(ref - exact).abs().max()}"
+
+
+def test_fast_by_default_one_warning_otherwise(seed):
+    """A KVarNCache passed as is: packed reads under "sdpa" with no warning and no extra call; under "eager" (the
+    model's own function) the reference path with exactly one warning naming it; attention="reference": the
+    reference path, silently; the fp16 preset (nothing quantized) never warns."""
+    model = tiny("llama")
+    ids = prompt(90, gen=torch.Generator().manual_seed(seed))
+    assert model.config._attn_implementation == "sdpa"
+    cases = [("sdpa", "kvarn-k2v2-g64", "auto", True, 0), ("eager", "kvarn-k2v2-g64", "auto", False, 1),
+             ("eager", "kvarn-k2v2-g64", "reference", False, 0), ("sdpa", "kvarn-k2v2-g64", "reference", False, 0),
+             ("eager", "fp16", "auto", False, 0)]
+    for impl, preset, path, packed, n_warn in cases:
+        with attn(model, impl), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = KVarNCache(model.config, preset, sink=8, attention=path)
+            _, calls = packed_calls(lambda: greedy(model, ids, cache, n=4))  # noqa: B023
+        mine = [str(w.message) for w in caught if "KVarNCache reads through the reference path" in str(w.message)]
+        assert (calls > 0) == packed and len(mine) == n_warn, (impl, preset, path, calls, mine)
+        if n_warn:
+            assert "'eager' is the model's own function" in mine[0]
+    assert kvarn.attention.packed_reads("no-such-implementation") is not None
+    assert kvarn.attention.packed_reads("flash_attention_2") is not None  # 2-D masks: not read by the packed path
+    assert kvarn.attention.packed_reads("sdpa") is None and kvarn.attention.packed_reads("kvarn") is None
+
+
+class KeyCopyingInterface:
+    """Stands for `ALL_ATTENTION_FUNCTIONS` in a modeling file: the registered function, called with `change(key)`
+    instead of the key `cache.update` returned, as a model that copies or casts the key on the way would."""
+
+    def __init__(self, real, change) -> None:
+        self.real, self.change = real, change
+
+    def get_interface(self, name, default):
+        fn = self.real.get_interface(name, default)
+        return lambda module, query, key, *args, **kwargs: fn(module, query, self.change(key), *args, **kwargs)
+
+
+@pytest.mark.parametrize("change", ["clone", "cast"])
+def test_key_copied_by_the_model_raises(change, seed, monkeypatch):
+    """Issue 9, finding 3: a model that copies or casts the key between cache.update and attention loses the packed
+    past; attention over the fresh tokens alone would ignore the cache, so kvarn raises, naming the layer and the
+    cause (on main this ran silently). attention="reference" is the way out and works."""
+    from transformers.models.llama import modeling_llama
+
+    model = tiny("llama")
+    ids = prompt(80, gen=torch.Generator().manual_seed(seed))
+    fn = {"clone": torch.Tensor.clone, "cast": lambda k: k.double().to(k.dtype)}[change]
+    monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS",
+                        KeyCopyingInterface(modeling_llama.ALL_ATTENTION_FUNCTIONS, fn))
+    for impl in ("sdpa", "kvarn"):
+        with attn(model, impl), torch.no_grad():
+            cache = KVarNCache(model.config, "kvarn-k2v2-g64", sink=8)
+            model(ids[:, :70], cache=cache)  # empty cache: nothing to lose
+            with pytest.raises(kvarn.attention.HandoffError, match=r"layer 0 holds 70 cached tokens.*copied or cast"):
+                model(ids[:, 70:71], cache=cache)
+    ref = forward_steps(model, ids, KVarNCache(model.config, "kvarn-k2v2-g64", sink=8, attention="reference"),
+                        [70, 1])
+    monkeypatch.undo()
+    assert close(ref, forward_steps(model, ids, KVarNCache(model.config, "kvarn-k2v2-g64", sink=8), [70, 1]))
 
 
 # -- bytes -------------------------------------------------------------------------------------------------------
@@ -223,8 +305,11 @@ def test_multi_turn_and_tiles_quantized_once(seed):
 
 
 def test_left_padding_batch(seed):
-    """Batch 2, row 1 left-padded by 5. fp16 preset: same tokens as DynamicCache. Quantizing preset (pads in the
-    exact sink): row 1's logits do not depend on the pad tokens, under packed and reference reads alike."""
+    """Batch 2, row 1 left-padded by 5. fp16 preset: same tokens as DynamicCache. Quantizing presets with no sink, so
+    the pads lie inside row 1's first tile: the cache learns the pads from the mask and keeps them out of the tile's
+    ranges, so the tile's stored fields (codes, scales, rotation choice) do not depend on the pad tokens at all (bit
+    for bit, the pads' own K/V differ) nor do row 1's logits; packed reads ("sdpa", "kvarn") equal the reference
+    path."""
     gen = torch.Generator().manual_seed(seed)
     model = tiny("qwen2")
     ids = prompt(150, batch=2, gen=gen)
@@ -238,16 +323,21 @@ def test_left_padding_batch(seed):
     positions = (fmask.cumsum(-1) - 1).clamp_min(0)
     other = full.clone()
     other[1, :5] = 77  # different pad tokens
-    results = {}
-    for impl in ("sdpa", "kvarn"):
-        with attn(model, impl):
-            for name, x in (("pad0", full), ("pad77", other)):
-                cache = KVarNCache(model.config, "kvarn-k2v2-g64", sink=16)
-                results[impl, name] = forward_steps(model, x, cache, [150, 1, 1, 1], fmask, positions)
-                assert cache.layers[0].store.keys.n_tiles == 2
-    for impl in ("sdpa", "kvarn"):
-        assert close(results[impl, "pad77"][1, 5:], results[impl, "pad0"][1, 5:])
-    assert close(results["kvarn", "pad0"][:, 5:], results["sdpa", "pad0"][:, 5:])
+    for preset in ("kvarn-k2v2-g64", "kvarn-auto-k2v2-g64"):
+        results, fields = {}, {}
+        for impl, path in (("sdpa", "auto"), ("kvarn", "auto"), ("sdpa", "reference")):
+            with attn(model, impl):
+                for name, x in (("pad0", full), ("pad77", other)):
+                    cache = KVarNCache(model.config, preset, sink=0, attention=path)
+                    results[impl, path, name] = forward_steps(model, x, cache, [150, 1, 1, 1], fmask, positions)
+                    stores = [s for layer in cache.layers for s in (layer.store.keys, layer.store.values)]
+                    assert all(s.n_tiles == 2 and s.stats.pad_tokens == 5 for s in stores)
+                    fields[impl, path, name] = [{k: v[1].clone() for k, v in s.packed.fields.items()} for s in stores]
+        for key in ((impl, path) for impl, path, name in results if name == "pad0"):
+            for a, b in zip(fields[(*key, "pad0")], fields[(*key, "pad77")]):
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (preset, key)
+            assert close(results[(*key, "pad77")][1, 5:], results[(*key, "pad0")][1, 5:])
+            assert close(results[(*key, "pad0")][:, 5:], results["sdpa", "reference", "pad0"][:, 5:], 1e-3)
 
 
 def test_sampling_beams_and_both_kwarg_names(seed):
@@ -268,6 +358,69 @@ def test_sampling_beams_and_both_kwarg_names(seed):
     assert torch.equal(q1, q2) and q1.shape == ref.shape
     beams = greedy(model, ids, DynamicCache(config=model.config), n=8, num_beams=2)
     assert torch.equal(greedy(model, ids, KVarNCache(model.config, "fp16"), n=8, num_beams=2), beams)
+
+
+# -- crop (assisted decoding, prompt lookup) ------------------------------------------------------------------
+def feed(cache: KVarNCache, k: torch.Tensor, v: torch.Tensor, chunks: list[int]) -> None:
+    """cache.update of every layer with consecutive chunks of k, v [B, H, T, D]."""
+    at = 0
+    for n in chunks:
+        for i in range(len(cache.layers)):
+            cache.update(k[:, :, at:at + n], v[:, :, at:at + n], i)
+        at += n
+
+
+def store_state(cache: KVarNCache) -> list[torch.Tensor]:
+    out = []
+    for layer in cache.layers:
+        layer.store.settle()  # kvarn-auto's key tiles wait for queries (none here)
+        for s in (layer.store.keys, layer.store.values):
+            out += [s.full(), torch.tensor([s.n_tiles, s.tail_start, s.length])]
+            out += [s.packed.fields[k] for k in sorted(s.packed.fields)]
+    return out
+
+
+@pytest.mark.parametrize("preset", ["kvarn-k2v2-g64", "kvarn-auto-k2v2-g64"])
+def test_crop_is_exact_where_drafts_reach(preset, seed):
+    """Sink 8, G = 64. After a prefill of 130 tokens (tail 72..129) a draft step of 8 tokens completes tile [72, 136);
+    crops of 5 (into that tile), 66 (to its start), 2 (within the tail) and 1 leave the cache exactly as if it had
+    been fed only the kept tokens, and later tokens are quantized exactly alike. After a prefill (here fed with its
+    drafts, as transformers does first) or a single-token step, nothing is kept: a crop into the tile they completed
+    is lossy, the survivors come back as they were read (dequantized, `restored_tokens`), as documented. Keys without
+    queries (no attention here) use the policy's unweighted choice on both sides alike."""
+    config = tiny("llama").config
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, 2, 200, 64, generator=gen), torch.randn(2, 2, 200, 64, generator=gen)
+    for chunks, remove in (([130, 8], 5), ([130, 8], 66), ([130, 8], 2), ([130, 8], 1)):
+        cropped = KVarNCache(config, preset, sink=8)
+        feed(cropped, k, v, chunks)
+        cropped.layers[0].store.settle()  # kvarn-auto's key tiles wait for queries (none here)
+        assert cropped.layers[0].store.keys.n_tiles == 2
+        cropped.crop(-remove)
+        keep = sum(chunks) - remove
+        plain = KVarNCache(config, preset, sink=8)
+        feed(plain, k, v, [keep])
+        assert cropped.get_seq_length() == keep
+        for a, b in zip(store_state(cropped), store_state(plain)):
+            assert torch.equal(a, b), (chunks, remove)
+        feed(cropped, k[:, :, keep:], v[:, :, keep:], [200 - keep])
+        feed(plain, k[:, :, keep:], v[:, :, keep:], [200 - keep])
+        for a, b in zip(store_state(cropped), store_state(plain)):
+            assert torch.equal(a, b), (chunks, remove, "after")
+        assert cropped.layers[0].store.stats.restored_tokens == 0
+    # a prefill with drafts, or a single-token step, completes tile [72, 136); a crop into it restores its survivors
+    for chunks, remove in (([138], 5), ([135, 1], 1)):
+        lossy = KVarNCache(config, preset, sink=8)
+        feed(lossy, k, v, chunks)
+        lossy.layers[0].store.settle()
+        keep = sum(chunks) - remove
+        tile = lossy.layers[0].store.keys.dequantized_tiles()[:, :, 64:keep - 8].clone()
+        assert all(layer._undo is None for layer in lossy.layers)
+        lossy.crop(-remove)
+        store = lossy.layers[0].store
+        assert store.keys.n_tiles == 1 and store.stats.restored_tokens == 2 * 2 * (keep - 72)  # keys, values; 2 rows
+        assert torch.equal(store.keys.tail, tile)
+        assert lossy.nbytes().total == walk_bytes(lossy)
 
 
 # -- layers left alone, overrides ---------------------------------------------------------------------------------
@@ -354,7 +507,8 @@ def test_key_pre_rope_in_model(seed):
     chunks = [150, 1, 1, 1]
     exact = forward_steps(model, ids, DynamicCache(config=model.config), chunks, mask, positions)
     assert close(forward_steps(model, ids, KVarNCache(model.config, pre, sink=4096), chunks, mask, positions), exact)
-    ref = forward_steps(model, ids, KVarNCache(model.config, pre, sink=8, exact_dtype=None), chunks, mask, positions)
+    ref = forward_steps(model, ids, KVarNCache(model.config, pre, sink=8, exact_dtype=None, attention="reference"),
+                        chunks, mask, positions)
     with attn(model, "kvarn"):
         cache = KVarNCache(model.config, pre, sink=8, exact_dtype=None)  # float32 sink: RoPE round trip checked below
         got = forward_steps(model, ids, cache, chunks, mask, positions)
@@ -391,8 +545,10 @@ def test_bad_inputs(seed):
     model(ids, cache=cache)
     with pytest.raises(ValueError, match="batch size"):
         model(prompt(1, batch=2), cache=cache)
-    with pytest.raises(ValueError, match="cropped"):
-        cache.crop(-1)
+    with pytest.raises(ValueError, match="negative count"):
+        cache.crop(1)
+    with pytest.raises(ValueError, match="cannot remove 6 tokens"):
+        cache.crop(-6)
 
 
 def test_non_finite_kv(seed):

@@ -1,9 +1,11 @@
-"""Attention straight from the packed cache (SPEC §4), registered as attn_implementation "kvarn".
+"""Attention straight from the packed cache (SPEC §4): attn_implementation "kvarn", and every implementation of
+transformers' AttentionInterface once wrapped by `reading_packed` (kvarn.attention does it for "sdpa" and the rest).
 
-Hand-off from the cache: under "kvarn", `KVarNLayer.update` returns the *fresh* K/V of the current tokens and attaches
-a `KVarNPast` (views of the stored keys and values, taken before the fresh tokens were appended) to the returned key
-tensor (`attach_past` / `past_of`). The modeling code passes that tensor untouched to the attention function. A key
-without a past (empty cache, sliding-window layers, another cache class) is ordinary attention over `key`/`value`.
+Hand-off from the cache (`kvarn.attention.handoff`): under packed reads, `KVarNLayer.update` returns the *fresh* K/V
+of the current tokens and attaches a `KVarNPast` (views of the stored keys and values, taken before the fresh tokens
+were appended) to the returned key tensor. The modeling code passes that tensor untouched to the attention function;
+one that lost the past on the way raises (`handoff.take`). A key without a past (empty cache, sliding-window layers,
+another cache class) is the wrapped implementation's own attention over `key`/`value`.
 
 For one layer, queries q [B, Hq, L, D] and KV heads Hkv (GQA groups g = Hq / Hkv): q is regrouped to
 [B, Hkv, M = g*L, D], so one pass over a KV head serves all its query heads. Key segments, in position order:
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvarn.attention.handoff import attach_observer, attach_past, observe, past_of, take  # noqa: F401 (re-exported)
 from kvarn.attention.view import StoredKV
 from kvarn.ops.hadamard import hadamard_matrix
 from kvarn.ops.packing import unpack_codes
@@ -74,40 +77,6 @@ class KVarNPast:
     @property
     def length(self) -> int:
         return 0 if self.keys is None else self.keys.length
-
-
-def attach_past(key: torch.Tensor, past: KVarNPast) -> torch.Tensor:
-    """An alias of `key` carrying `past` (the caller's tensor is left untouched)."""
-    out = key.view_as(key)
-    out.kvarn_past = past
-    return out
-
-
-def attach_observer(key: torch.Tensor, observe) -> torch.Tensor:
-    """`key` (aliased unless it already is one of ours) carrying `observe(query)`, which the "kvarn" attention
-    function calls with the queries that read it (the store's running query statistics, kvarn.quant.policy)."""
-    out = key if hasattr(key, "kvarn_past") else key.view_as(key)
-    out.kvarn_observe = observe
-    return out
-
-
-def observing(attention):
-    """`attention(module, query, key, ...)` that first calls the observer attached to `key`, if any."""
-    if getattr(attention, "kvarn_observing", False):
-        return attention
-
-    def observed(module, query, key, *args, **kwargs):
-        observe = getattr(key, "kvarn_observe", None)
-        if observe is not None:
-            observe(query)
-        return attention(module, query, key, *args, **kwargs)
-
-    observed.kvarn_observing = True
-    return observed
-
-
-def past_of(key: torch.Tensor) -> KVarNPast | None:
-    return getattr(key, "kvarn_past", None)
 
 
 # -- masks ----------------------------------------------------------------------------------------------------
@@ -331,21 +300,54 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.reshape(b, hq, length, d).transpose(1, 2).to(query.dtype).contiguous()
 
 
+def packed_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, past: KVarNPast | None, dropout: float = 0.0,
+                   scaling: float | None = None, softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """An AttentionInterface call answered by `packed_attention` over [past | fresh key/value]: ([B, L, Hq, D], None).
+    Refuses what it cannot compute rather than ignore it."""
+    if dropout and module.training:
+        raise ValueError("kvarn's packed attention is for inference; it does not apply attention dropout")
+    for name in ("s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"kvarn's packed attention does not support {name!r}; build the KVarNCache with "
+                             "attention='reference' for this model")
+    causal = kwargs.get("is_causal")
+    if attention_mask is None and not (getattr(module, "is_causal", True) if causal is None else causal):
+        kv_len = key.shape[2] + (past.length if past is not None else 0)
+        attention_mask = torch.ones(1, 1, query.shape[2], kv_len, dtype=torch.bool, device=query.device)
+    return packed_attention(query, key, value, past, attention_mask, scaling, softcap), None
+
+
 def kvarn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                             softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """The "kvarn" entry of transformers' AttentionInterface. Returns ([B, L, Hq, D], None)."""
-    if dropout and module.training:
-        raise ValueError("attn_implementation 'kvarn' is for inference; it does not apply attention dropout")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("attn_implementation 'kvarn' does not support attention sinks logits (s_aux)")
-    observe = getattr(key, "kvarn_observe", None)
-    if observe is not None:
-        observe(query)
-    past = past_of(key)
+    """The "kvarn" entry of transformers' AttentionInterface: packed reads of a KVarN past, SDPA otherwise (exact
+    path with softcap). Returns ([B, L, Hq, D], None)."""
+    past = take(key, module)
+    observe(key, query)
     if past is None and softcap is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if dropout and module.training:
+            raise ValueError("attn_implementation 'kvarn' is for inference; it does not apply attention dropout")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling,
                                       **kwargs)
-    return packed_attention(query, key, value, past, attention_mask, scaling, softcap), None
+    return packed_forward(module, query, key, value, attention_mask, past, dropout, scaling, softcap, **kwargs)
+
+
+def reading_packed(attention):
+    """A registered attention implementation (sdpa, ...) that reads a KVarN past from the packed cache
+    (`packed_forward`) and is `attention` itself for any other key; it also hands the queries to the observer a
+    KVarNCache attaches to the key (the key-rotation policy, kvarn.quant.policy)."""
+    if getattr(attention, "kvarn_wraps", None) is not None:
+        return attention
+
+    def read(module, query, key, value, attention_mask, *args, **kwargs):
+        past = take(key, module)
+        observe(key, query)
+        if past is None:
+            return attention(module, query, key, value, attention_mask, *args, **kwargs)
+        return packed_forward(module, query, key, value, attention_mask, past, *args, **kwargs)
+
+    read.kvarn_wraps = attention
+    return read

@@ -7,14 +7,18 @@ Semantics of one forward over q new tokens, per layer: the new tokens attend to 
 exact, tiles quantized, tail exact) plus their own fresh K/V exactly; then their K/V are appended, and every tile
 that completes is quantized once and never again.
 
-Two read paths, chosen per update from the model config's attention implementation:
-  * reference (any implementation: "sdpa", "eager", ...): `update` returns the stored content dequantized and
-    concatenated with the fresh K/V, [B, H, T_past + q, D], so the model's own attention runs unchanged;
-  * packed ("kvarn", see `kvarn.attention.enable`): `update` returns the fresh K/V only, with a view of the stored
-    content attached to the returned key tensor (`kvarn.attention.packed.past_of`); the "kvarn" attention function
-    computes attention from the packed codes and folded scales. Every supported modeling file passes `key_states`
-    from `cache.update` to the attention function untouched, which is what makes this hand-off work.
-  `attention="reference"` forces the reference path even under "kvarn" (for benchmarks and checks).
+Two read paths, chosen per update from the model config's attention implementation (`kvarn.attention.packed_reads`):
+  * packed (the default wherever it can run: "sdpa", "kvarn", any implementation of transformers' AttentionInterface
+    that kvarn wraps and whose masks it reads): `update` returns the fresh K/V only, with a view of the stored content
+    attached to the returned key tensor; the attention function computes attention from the packed codes and folded
+    scales (`kvarn.attention.packed`). Every supported modeling file passes `key_states` from `cache.update` to the
+    attention function untouched, which is what makes this hand-off work; a model that copies or casts the key on
+    the way gets a `HandoffError` naming the cause, never attention over the fresh tokens alone
+    (`kvarn.attention.handoff`).
+  * reference (everything else, e.g. "eager", which is each model's own function outside the registry; one warning
+    per cache says why): `update` returns the stored content dequantized and concatenated with the fresh K/V,
+    [B, H, T_past + q, D], so the model's own attention runs unchanged.
+  `attention="reference"` forces the reference path (the oracle in tests; benchmarks).
 
 Layers the method does not touch:
   * sliding-window / chunked layers (`layer_types`, Gemma2/3, Mistral with `sliding_window`) are transformers'
@@ -27,10 +31,24 @@ attention kwargs, else consecutive positions after those already cached), stores
 (`kvarn.cache.rope`), and re-applies it after dequantizing; the positions are kept per token (int32, counted in
 `Bytes.positions`). The exact regions then come back within float32 rounding of the RoPE round trip, not bitwise.
 
-Batches with left padding: pad positions are stored like any token (the cache does not see the padding mask) and
-are excluded by the attention mask. They do share quantization tiles with real tokens of their row, so a pad key in
-a tile takes part in that tile's per-channel ranges; with the default sink of 128 tokens, left pads of prompts
-shorter than that lie in the exact sink.
+Batches with left padding: the cache learns which new positions are pads from the 2-D attention mask transformers
+hands its mask functions (`kvarn.attention.handoff.padding`; generate and a plain forward with `attention_mask` both
+build their masks that way) and passes them to the store, which keeps them out of every tile's ranges
+(`kvarn.cache.store`, `LayerStore.append(pad=)`). Attention never reads pads (the mask excludes them). With a
+ready-made 4-D mask, or none, no position is known to be a pad and pads are stored like tokens.
+
+Cropping (assisted decoding, prompt lookup: `crop(-n)` removes the newest n tokens, the draft tokens the model
+rejected). Within the exact tail a crop is exact. A crop that cuts into the last tile a verification step completed
+is exact too: after an update of 1 < q <= G tokens on a non-empty cache whose last completed tile ends fewer than
+`UNDO_REACH` (32) tokens before its end, so that a crop of up to 32 draft tokens can reach it, the layer keeps that
+tile's exact K/V until the next update (`_Kept`, counted in `nbytes().tail`); the crop drops the tile and re-appends
+its surviving tokens exactly, so it is quantized again from the same K/V as in plain decoding. Prefills and
+single-token steps keep nothing (the cache holds its compact size at every moment of plain generation). A crop
+reaching further back is lossy: the tiles holding removed positions are dropped and their surviving tokens return to
+the tail as attention read them (dequantized), to be quantized again (`LayerStore.crop`, counted in
+`stats.restored_tokens`). That includes transformers' first verification, which feeds the prompt together with the
+first drafts: when those drafts complete a tile (probability about drafts / G) and are rejected, the prompt tokens of
+that tile come back dequantized.
 
 Non-finite K/V: a tile holding NaN/Inf is kept exact by the store (counted in `Bytes.exact_tiles`); attention then
 propagates the non-finite values exactly as full-precision attention would.
@@ -38,7 +56,9 @@ propagates the non-finite values exactly as full-precision attention would.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -50,10 +70,12 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from kvarn.attention.packed import KVarNPast, attach_observer, attach_past
+from kvarn.attention import packed_reads
+from kvarn.attention.handoff import attach_observer, attach_past, clear, expect_mask, offer, padding
+from kvarn.attention.packed import KVarNPast
 from kvarn.attention.view import StoredKV
 from kvarn.cache.rope import Rope
-from kvarn.cache.store import Bytes, LayerStore
+from kvarn.cache.store import Bytes, LayerStore, TensorStore
 from kvarn.presets import DEFAULT_PRESET, Preset, get_preset
 
 AttentionPath = Literal["auto", "reference"]
@@ -77,12 +99,64 @@ def config_kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+UNDO_REACH = 32  # draft tokens a crop may remove exactly across a tile (assisted decoding proposes 20 by default)
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """Exact K or V [B, H, n, D] (own storage) of positions [start, start + n): the last tile an update completed."""
+
+    start: int
+    x: torch.Tensor
+    pad: torch.Tensor | None  # [B, n] bool
+
+
+def _cat_pad(parts: list[tuple[torch.Tensor | None, int]], batch: int, device) -> torch.Tensor | None:
+    """Concatenate [B, n] pad masks, None standing for n non-pads; None if nothing is a pad."""
+    if all(p is None for p, _ in parts):
+        return None
+    return torch.cat([torch.zeros(batch, n, dtype=torch.bool, device=device) if p is None else p for p, n in parts], 1)
+
+
+def _boundary(s: TensorStore) -> int:
+    """Where the exact tail of `s` begins once its complete tiles are quantized (deferred keys wait for queries)."""
+    t = 0 if s.tail is None else s.tail.shape[2]
+    return s.tail_start + (t // s.flush * s.flush if s.quantizer is not None and s.window == "block" else 0)
+
+
+def _kept(s: TensorStore, t0: int, tail: torch.Tensor | None, tail_pad: torch.Tensor | None, new: torch.Tensor,
+          pad: torch.Tensor | None) -> _Kept | None:
+    """What an exact crop of `s` into the last tile just completed needs (module docstring), or None. t0, tail,
+    tail_pad: the store's tail before the update; new, pad: the update's tokens as stored."""
+    t1 = _boundary(s)
+    if s.quantizer is None or s.window != "block" or t1 <= t0 or s.length - t1 >= UNDO_REACH:
+        return None
+    seq = new if tail is None else torch.cat([tail, new], dim=2)  # positions [t0, length)
+    lo, hi = t1 - s.flush - t0, t1 - t0
+    p = _cat_pad([(tail_pad, seq.shape[2] - new.shape[2]), (pad, new.shape[2])], new.shape[0], new.device)
+    return _Kept(t1 - s.flush, seq[:, :, lo:hi].clone(), None if p is None else p[:, lo:hi].clone())
+
+
+def _crop(s: TensorStore, keep: int, kept: _Kept | None) -> None:
+    """Crop `s` to `keep` tokens: exactly within the tail or with `kept` (module docstring), else `TensorStore.crop`."""
+    if keep >= s.tail_start or kept is None or keep < kept.start:
+        s.crop(s.length - keep)
+        return
+    # drop the kept tile (and the tail after it), then re-append the surviving tokens [kept.start, keep) exactly
+    t = 0 if s.tail is None else s.tail.shape[2]
+    seq = kept.x if s.tail is None else torch.cat([kept.x, s.tail], dim=2)
+    pad = _cat_pad([(kept.pad, kept.x.shape[2]), (s.tail_pad, t)], seq.shape[0], seq.device)
+    s.crop(s.length - kept.start)
+    n = keep - kept.start
+    s.append(seq[:, :, :n], pad=None if pad is None else pad[:, :n])
+
+
 class KVarNLayer(CacheLayerMixin):
     """One full-attention layer backed by a `LayerStore` (sink exact, packed tiles, exact tail)."""
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # exact within the tail; across tiles the survivors are re-quantized (module docstring)
 
     def __init__(self, preset: Preset | str, num_kv_heads: int, head_dim: int, sink: int | None = None,
                  quantize: bool = True, keep_decoded: bool = False, rope: Rope | None = None,
@@ -96,6 +170,8 @@ class KVarNLayer(CacheLayerMixin):
         self.rope = rope
         self.positions: torch.Tensor | None = None  # [B, T] int32, only with `rope`
         self._packed = packed
+        self.owner: object = self  # whose hand-offs these are (the KVarNCache sets itself)
+        self._undo: tuple[_Kept | None, _Kept | None] | None = None  # keys, values
 
     def __repr__(self) -> str:
         q = "quantized" if self.store.keys.quantizer is not None else "exact"
@@ -142,8 +218,10 @@ class KVarNLayer(CacheLayerMixin):
         return post
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
-               store: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return what attention needs for the new tokens, then append their K/V (or `store`, if given)."""
+               store: tuple[torch.Tensor, torch.Tensor] | None = None, pad: torch.Tensor | None = None,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return what attention needs for the new tokens, then append their K/V (or `store`, if given); pad
+        [B, q] bool marks the new positions that are padding."""
         self._check(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -158,9 +236,11 @@ class KVarNLayer(CacheLayerMixin):
             self.store.settle()  # key tiles left pending by a previous step that observed no query
             past = KVarNPast(StoredKV.of(self.store.keys, post), StoredKV.of(self.store.values))
             # the attention function observes this step's queries, which settles the deferred key tiles
-            self._append(sk, sv, new_pos, defer=True)
-            key = attach_past(key_states, past) if past.length else key_states
-            return self._observed(key), value_states
+            self._append(sk, sv, new_pos, pad)
+            if not past.length:
+                return self._observed(key_states, pad), value_states
+            offer(self.owner, self.layer_idx, past.length)  # the attention function must take it (handoff.take)
+            return self._observed(attach_past(key_states, past), pad), value_states
         if self.store.length:
             pk, pv = self.store.full()
             if self.rope is not None:
@@ -169,15 +249,32 @@ class KVarNLayer(CacheLayerMixin):
                                                                                       value_states], dim=2)
         else:
             out = key_states, value_states
-        self._append(sk, sv, new_pos, defer=True)
-        return self._observed(out[0]), out[1]
+        self._append(sk, sv, new_pos, pad)
+        return self._observed(out[0], pad), out[1]
 
-    def _observed(self, key: torch.Tensor) -> torch.Tensor:
-        """Hand the store's query observer to the attention function (policy statistics, kvarn.quant.policy)."""
-        return key if self.store.queries is None else attach_observer(key, self.store.observe_queries)
+    def _observed(self, key: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+        """Hand the store's query observer to the attention function (policy statistics, kvarn.quant.policy). Pad
+        queries are zeroed: they add nothing to their row's query energy, so pads do not sway the rotation choice
+        (the statistics' common count only scales a row's weights, which the choice does not depend on)."""
+        if self.store.queries is None:
+            return key
+        if pad is None:
+            return attach_observer(key, self.store.observe_queries)
+        keep = ~pad[:, None, :, None]  # [B, 1, q, 1]
+        return attach_observer(key, lambda q: self.store.observe_queries(torch.where(keep.to(q.device), q, 0)))
 
-    def _append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None, defer: bool = False) -> None:
-        self.store.append(k, v, defer_keys=defer)
+    def _append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
+                pad: torch.Tensor | None) -> None:
+        self._undo = None
+        stores = (self.store.keys, self.store.values)
+        multi = 1 < k.shape[2] <= self.preset.tile and self.store.length > 0  # a draft-verification step
+        if multi:
+            self.store.settle()
+            before = [(x.tail_start, x.tail, x.tail_pad) for x in stores]
+        # defer_keys: the attention function observes this step's queries, which settles the deferred key tiles
+        self.store.append(k, v, defer_keys=True, pad=pad)
+        if multi:
+            self._undo = tuple(_kept(x, *b, new, pad) for x, b, new in zip(stores, before, (k, v)))
         if positions is not None:
             self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
 
@@ -191,8 +288,10 @@ class KVarNLayer(CacheLayerMixin):
         return -1
 
     def nbytes(self) -> Bytes:
+        """The store's bytes, the per-token positions, and (in `tail`) the exact tile kept for a crop, if any."""
         b = self.store.nbytes()
         b.positions = _nbytes(self.positions)
+        b.tail += sum(_nbytes(k.x) + _nbytes(k.pad) for k in self._undo or () if k is not None)
         return b
 
     # -- housekeeping -----------------------------------------------------------------------------------
@@ -200,6 +299,8 @@ class KVarNLayer(CacheLayerMixin):
         self.store = LayerStore(*self._store_args)
         self.positions = None
         self.is_initialized = False
+        self._undo = None
+        clear(self.owner)
 
     def offload(self) -> None:  # the packed store stays where it is
         pass
@@ -208,19 +309,31 @@ class KVarNLayer(CacheLayerMixin):
         pass
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            raise ValueError("KVarNCache cannot be cropped: complete tiles are quantized once and not kept exact")
+        """Remove the newest -tokens_to_remove tokens (transformers' convention: a negative count, as
+        `DynamicLayer.crop`); exact within the tail, re-quantizing across tiles (module docstring)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove, as transformers' "
+                             "DynamicLayer.crop does")
+        n = -int(tokens_to_remove)
+        if n > self.store.length:
+            raise ValueError(f"cannot remove {n} tokens from a cache layer holding {self.store.length}")
+        undo, self._undo = self._undo, None
+        if not n:
+            return
+        self.store.settle()
+        keep = self.store.length - n
+        for x, kept in zip((self.store.keys, self.store.values), undo or (None, None)):
+            _crop(x, keep, kept)
+        if self.positions is not None:
+            self.positions = self.positions[:, :self.positions.shape[1] - n].clone()
 
     def _index_batch(self, index: torch.Tensor) -> None:
+        self._undo = None
         if not self.store.length:
             return
-        index = index.to(self.store.keys.device)
-        self.store.keys.index_batch(index)
-        self.store.values.index_batch(index)
-        if self.store.queries is not None:
-            self.store.queries.index_batch(index)
+        self.store.index_batch(index)
         if self.positions is not None:
-            self.positions = self.positions[index]
+            self.positions = self.positions[index.to(self.positions.device)]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(beam_idx)
@@ -246,8 +359,8 @@ class KVarNCache(Cache):
                   The transient tail, full-precision layers and the `fp16` preset keep the model's dtype.
     nonfinite     "exact": tiles with NaN/Inf or overflow are kept exact (counted); "error": refuse them
                   (kvarn.cache.store)
-    attention     "auto": packed reads when the model runs attn_implementation "kvarn", else reference;
-                  "reference": always return dequantized K/V
+    attention     "auto": packed reads wherever the model's attention implementation takes them ("sdpa", "kvarn", ...),
+                  else the reference path with one warning saying why; "reference": always return dequantized K/V
     """
 
     def __init__(self, config, preset: Preset | str = DEFAULT_PRESET, sink: int | None = None,
@@ -278,10 +391,35 @@ class KVarNCache(Cache):
                 raise ValueError(f"layer {i} has type {kind!r}; KVarNCache supports full attention, sliding-window "
                                  "and chunked attention layers")
         self._overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._warned = False
         super().__init__(layers=layers)
+        for layer in self.layers:
+            if isinstance(layer, KVarNLayer):
+                layer.owner = self
+
+    def implementation(self) -> str | None:
+        """The attention implementation the model config names (its decoder text config's first)."""
+        for c in (text_config(self.config), self.config):
+            impl = getattr(c, "_attn_implementation", None)
+            if impl:
+                return impl
+        return None
 
     def _packed_reads(self) -> bool:
-        return self.attention == "auto" and getattr(self.config, "_attn_implementation", None) == "kvarn"
+        if self.attention == "reference":
+            return False
+        why = packed_reads(self.implementation())
+        if why is not None and not self._warned and self.preset.quantized:
+            self._warned = True
+            warnings.warn(f"kvarn: KVarNCache reads through the reference path (dequantizes and concatenates the whole "
+                          f"cache at every step, slower than packed reads) because {why}; use attn_implementation "
+                          "'sdpa' or kvarn.attention.enable(model) for packed reads, or pass attention='reference' to "
+                          "choose this path explicitly", stacklevel=4)
+        return why is None
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        expect_mask(self)  # the mask transformers builds next is for this cache's forward (handoff.padding)
+        return super().get_mask_sizes(query_length, layer_idx)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,6 +429,8 @@ class KVarNCache(Cache):
         if layer_idx == 0:
             self._check_lengths()
         layer = self.layers[layer_idx]
+        if isinstance(layer, KVarNLayer):
+            kwargs["pad"] = padding(self, key_states.shape[0], layer.get_seq_length(), key_states.shape[2])
         override = self._overrides.pop(layer_idx, None)
         if override is None:
             return layer.update(key_states, value_states, *args, **kwargs)
