@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import sys
+from pydoc_data.topics import topics
 
 import pytest
 import torch
-from pydoc_data.topics import topics
 
 from kvarn.eval.common import DEFAULT_TEXT, default_text, load_tokens, text_name
 
