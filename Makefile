@@ -23,9 +23,10 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/kvarn demo --out $(OUT)
 
+# pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvarn tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q || { rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

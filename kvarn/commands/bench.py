@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bs = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     s = bs.add_parser("store", help="encode cost of one flush of tiles (all layers/heads) per preset, on real K/V")
     s.add_argument("--model", default="default")
-    s.add_argument("--text", default=None, help="text for the K/V (default: WikiText-2 test)")
+    s.add_argument("--text", default=None, help="text for the K/V (default: pydoc_data.topics)")
     s.add_argument("--presets", default=STORE_PRESETS)
     s.add_argument("--baseline", default="kvarn-k2v2-g128", help="ratios are relative to this preset")
     s.add_argument("--rounds", type=int, default=5)

@@ -9,6 +9,7 @@ import math
 import platform
 import random
 import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, is_dataclass
@@ -19,28 +20,44 @@ import torch
 
 from kvarn.presets import Preset, get_preset
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "wikitext-2" / "test.txt"
+# Every Python ships it: the topic texts of the Python documentation (plain English prose with some code),
+# ~465 KB / ~100k tokens on 3.11. WikiText-2 or any other text through --text FILE.
+DEFAULT_TEXT = f"pydoc_data.topics (Python {sys.version_info.major}.{sys.version_info.minor})"
 
 
-def default_text_path() -> Path:
-    """WikiText-2 test beside the checkout (`../shared/data/wikitext-2/test.txt`), if present."""
-    if not DEFAULT_TEXT.exists():
-        raise ValueError(f"no default text at {DEFAULT_TEXT}; pass --text FILE")
-    return DEFAULT_TEXT
+def default_text() -> str:
+    """The default text: the standard library's `pydoc_data.topics`, topic texts joined in sorted key order
+    (deterministic for a given Python version)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:  # a few distributions strip it; say so instead of failing obscurely
+        raise ValueError(f"this Python has no pydoc_data.topics ({e}); pass --text FILE") from e
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def text_name(path: str | Path | None) -> str:
+    """How results files name the text: the --text path, else DEFAULT_TEXT."""
+    return str(path) if path else DEFAULT_TEXT
 
 
 def load_tokens(tokenizer, path: str | Path | None, max_tokens: int, offset_chars: int = 0) -> torch.Tensor:
-    """The first `max_tokens` tokens of a text file, tokenized with default special tokens, [1, T]."""
-    path = Path(path) if path else default_text_path()
-    if not path.exists():
-        raise ValueError(f"text file not found: {path}")
-    text = path.read_text(encoding="utf-8")[offset_chars:]
+    """The first `max_tokens` tokens of a text file (None: `default_text()`), tokenized with default special
+    tokens, [1, T]."""
+    if path:
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"text file not found: {path}")
+        text = path.read_text(encoding="utf-8")
+    else:
+        text = default_text()
+    text = text[offset_chars:]
     # read only as much text as needed (about 8 chars per token is generous for English)
     ids = tokenizer(text[: max(4096, max_tokens * 8)], return_tensors="pt").input_ids
     if ids.shape[1] < max_tokens:
         ids = tokenizer(text, return_tensors="pt").input_ids
     if ids.shape[1] < max_tokens:
-        raise ValueError(f"{path} has only {ids.shape[1]} tokens, fewer than the {max_tokens} asked for")
+        raise ValueError(f"{text_name(path)} has only {ids.shape[1]} tokens (from character {offset_chars}), "
+                         f"fewer than the {max_tokens} asked for")
     return ids[:, :max_tokens]
 
 
@@ -135,7 +152,7 @@ def int_list(text: str) -> list[int]:
 def add_common_arguments(parser: argparse.ArgumentParser, *, methods: str, command: str) -> None:
     """--model, --text, --methods, --out, --seed, --sink, --threads: the same meaning in every analysis."""
     parser.add_argument("--model", default="default", help="named model, HF id or folder (default: embedded SmolLM2)")
-    parser.add_argument("--text", default=None, help="text file (default: WikiText-2 test beside the checkout)")
+    parser.add_argument("--text", default=None, help=f"text file (default: {DEFAULT_TEXT})")
     parser.add_argument("--methods", default=methods, help=f"comma-separated preset names (default: {methods})")
     parser.add_argument("--out", default=f"out/eval/{command}", help="output folder (JSON, summary.md, PNGs)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: 0)")

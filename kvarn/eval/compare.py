@@ -26,6 +26,7 @@ from kvarn.eval.common import (
     publish,
     result_header,
     seed_everything,
+    text_name,
 )
 
 COMMAND = "compare"
@@ -68,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
                      "greedy_agreement": g.top1_agreement, "first_divergence": g.first_divergence,
                      "greedy_kl": g.mean_kl})
     bar.close()
-    result = {**result_header(args, COMMAND), "tokens": int(ids.shape[1]), "block": args.block,
-              "gen_tokens": args.gen_tokens, "rows": rows}
+    result = {**result_header(args, COMMAND), "text": text_name(args.text), "tokens": int(ids.shape[1]),
+              "block": args.block, "gen_tokens": args.gen_tokens, "rows": rows}
     out = Path(args.out)
     publish(result, out / "compare.json", out, summary_markdown(result))
     return 0

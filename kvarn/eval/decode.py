@@ -1,9 +1,9 @@
 """`kvarn eval decode`: the SPEC §8 decode protocol, next-token KL and top-1 agreement, token by token.
 
-The first `--max-len` tokens of the text (WikiText-2 test by default; from `--offset` characters in), tokenized
-with the model's default special tokens, are fed ONE token at a time (teacher forcing) through each method's
-`KVarNCache`, in lockstep with the same run on an unquantized transformers `DynamicCache` (`engine.run_blocks`
-with blocks of 1 token).
+The first `--max-len` tokens of the text (the standard library's `pydoc_data.topics` by default; from `--offset`
+characters in), tokenized with the model's default special tokens, are fed ONE token at a time (teacher forcing)
+through each method's `KVarNCache`, in lockstep with the same run on an unquantized transformers `DynamicCache`
+(`engine.run_blocks` with blocks of 1 token).
 Quantization errors therefore feed forward exactly as in decoding. Per position p and method:
 
     kl[p]   = KL(p_ref(. | ids[<=p]) || p_method(. | ids[<=p]))     float64, over the whole vocabulary
@@ -33,6 +33,7 @@ from kvarn.eval.common import (
     publish,
     result_header,
     seed_everything,
+    text_name,
 )
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     d, n_layers = head_dim(model), len(decoder_layers(model))
     sink = args.sink if args.sink is not None else sorted({p.sink for p in presets})
     result = {
-        **result_header(args, COMMAND), "text": str(args.text or "wikitext-2 test"), "offset": args.offset,
+        **result_header(args, COMMAND), "text": text_name(args.text), "offset": args.offset,
         "tokens": int(ids.shape[1]),
         "sink": sink, "last": args.last, "attention": args.attention, "num_layers": n_layers, "head_dim": d,
         "runs": [run_record(tr, tr.spec.preset.bits_per_element(d, n_layers), args.last) for tr in traces],

@@ -43,6 +43,7 @@ from kvarn.eval.common import (
     publish,
     result_header,
     setup,
+    text_name,
 )
 from kvarn.eval.forward import head_dim
 from kvarn.presets import Preset
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
 
     with torch.inference_mode():
         records, samples = run_decomposition(kv, presets, args.sink, plot_layer, unrope)
-    result = {**result_header(args, COMMAND), "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
+    result = {**result_header(args, COMMAND), "text": text_name(args.text), "tokens": int(ids.shape[1]),
               "head_dim": head_dim(model), "num_layers": n_layers, "plot_layer": plot_layer, "results": records}
     out = Path(args.out)
     from kvarn.eval import plots

@@ -24,6 +24,7 @@ from kvarn.eval.common import (
     publish,
     result_header,
     setup,
+    text_name,
 )
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import head_dim
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                 specs.append(RunSpec(p.name, patched_preset(p, args.fraction, g, which)))
                 meta.append((which, g, fixed_share(args.fraction, g, which, p.key(d).tile, d)))
     _, traces = run_blocks(model, ids, specs, args.block, sink=args.sink, desc=COMMAND)
-    result = {**result_header(args, COMMAND), "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
+    result = {**result_header(args, COMMAND), "text": text_name(args.text), "tokens": int(ids.shape[1]),
               "block": args.block, "fraction": args.fraction,
               "results": [record(tr, *m) for tr, m in zip(traces, meta)]}
     out = Path(args.out)

@@ -32,6 +32,7 @@ from kvarn.eval.common import (
     publish,
     result_header,
     setup,
+    text_name,
 )
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model)
     ids = load_tokens(tok, args.text, args.max_tokens)
     stride = args.stride or args.window
-    result = {**result_header(args, COMMAND), "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
+    result = {**result_header(args, COMMAND), "text": text_name(args.text), "tokens": int(ids.shape[1]),
               "window": args.window, "stride": stride, "block": args.block,
               **evaluate(model, ids, presets, args.window, stride, args.block, args.sink)}
     out = Path(args.out)

@@ -27,6 +27,7 @@ from kvarn.eval.common import (
     publish,
     result_header,
     setup,
+    text_name,
 )
 from kvarn.eval.engine import MODES, RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     _, traces = run_blocks(model, ids, specs, args.block, sink=args.sink, desc=COMMAND)
     d, n_layers = head_dim(model), len(decoder_layers(model))
     result = {
-        **result_header(args, COMMAND), "text": str(args.text or "wikitext-2 test"), "tokens": int(ids.shape[1]),
+        **result_header(args, COMMAND), "text": text_name(args.text), "tokens": int(ids.shape[1]),
         "block": args.block, "num_layers": n_layers, "block_ends": traces[0].block_ends if traces else [],
         "runs": [trace_record(tr, tr.spec.preset.bits_per_element(d, n_layers)) for tr in traces],
     }

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvarn.eval.common import markdown_table, provenance, write_json
+from kvarn.eval.common import DEFAULT_TEXT, markdown_table, provenance, write_json
 
 COMMAND = "report"
 HELP = "run a suite of analyses (flags or a JSON config) and write one markdown report"
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="JSON suite config (see `kvarn eval report --help`)")
     parser.add_argument("--analyses", default=None, help=f"comma-separated (default: {','.join(DEFAULT_ANALYSES)})")
     parser.add_argument("--model", default=None, help="named model, HF id or folder (default: embedded SmolLM2)")
-    parser.add_argument("--text", default=None, help="text file (default: WikiText-2 test)")
+    parser.add_argument("--text", default=None, help=f"text file (default: {DEFAULT_TEXT})")
     parser.add_argument("--methods", default=None, help="comma-separated presets (default: each analysis's)")
     parser.add_argument("--seed", type=int, default=None, help="seed (default: 0)")
     parser.add_argument("--sink", type=int, default=None, help="override every preset's sink")

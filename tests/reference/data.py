@@ -34,7 +34,8 @@ def _real_kv(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def real_kv(tokens: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Post-RoPE keys and values of SmolLM2-135M on WikiText-2, [layers, kv_heads, tokens, head_dim] float32."""
+    """Post-RoPE keys and values of SmolLM2-135M on the default text (pydoc_data.topics),
+    [layers, kv_heads, tokens, head_dim] float32."""
     return _real_kv(tokens)
 
 
