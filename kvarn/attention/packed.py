@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvarn.attention import fused
 from kvarn.attention.view import StoredKV
 from kvarn.ops.hadamard import hadamard_matrix
 from kvarn.ops.packing import unpack_codes
@@ -290,6 +291,21 @@ def _value_out(p: torch.Tensor, view: StoredKV | None, v_new: torch.Tensor, cd: 
     return out
 
 
+def _use_fused(query: torch.Tensor, past: KVarNPast | None) -> bool:
+    """Whether this step takes the fused kernel (kvarn.attention.fused; KVARN_KERNEL=torch never, =cpu always)."""
+    m = fused.mode()
+    if m == "torch" or past is None:
+        return False
+    why = fused.unsupported(query, past.keys, past.values)
+    if why is None and fused.kernel.available():
+        return True
+    if m == "cpu" and why != "no packed tiles":
+        from kvarn.kernels.cpu.build import error
+
+        raise RuntimeError(f"KVARN_KERNEL=cpu, but the fused kernel cannot serve this step: {why or error()}")
+    return False
+
+
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast | None,
                      attention_mask: torch.Tensor | None = None, scaling: float | None = None,
                      softcap: float | None = None) -> torch.Tensor:
@@ -309,6 +325,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     values_view = past.values if past is not None else None
     scale = d ** -0.5 if scaling is None else scaling
     ok = allowed(attention_mask, b, length, kv_len, query.device)
+    if _use_fused(query, past):
+        return fused.fused_attention(query, key, value, past.keys, past.values, ok, attention_mask, scale, softcap)
     add = _additive(attention_mask)
     # queries regrouped per KV head: row j*L + l of head kv is query head kv*g + j at position l
     qs = query.to(cd).reshape(b, hkv, g * length, d) * scale

@@ -1,0 +1,177 @@
+"""Fused decode attention over packed AffineQuantizer tiles, on the CPU (the C++ kernel in decode.cpp).
+
+For each batch row b and KV head h, the M = groups * L query rows (query head h*groups + j at position l is row
+j*L + l, scaled by `scaling`) attend to, in one softmax,
+
+    dense segments (sink, tail, fresh tokens: float rows [B, Hkv, t, D])   plain basis
+    packed tiles j < n_blocks[b], block = block_table[b, j]                 each tile in its own basis
+
+with logits and outputs computed straight from the codes (shared design, see kvarn/attention/packed.py):
+    keys per channel  (codes [D, G]):  logit_g = t_g (sum_d (q~_d a_d) code[d, g] + sum_d q~_d z_d)
+    values per token  (codes [G, D]):  o~_d   += c_d (sum_g (p_g a_g) code[g, d] + sum_g p_g z_g)
+q~ = q H for key tiles stored rotated, and the value accumulator of tiles stored rotated is kept apart and multiplied by
+H once at the end: out = acc_plain / l + (acc_rot / l) H. Softmax is online (running max, sum, accumulators), split
+over the context into `splits` parts per (b, h) for parallelism; the parts are combined exactly in the kernel.
+Everything accumulates in float32: a logit is a sum of D products of float32-rounded terms, an output a sum over T
+keys, so errors are those of float32 dot products (order eps32 * sum |terms|), like the PyTorch path.
+
+Tiles kept exact (non-finite input; their packed fields are zeros) are read from `exact` instead: (map [B, Hkv,
+max_blocks] int32, index into keys/values [n, G, D] float32 or -1). Masks: `bias` float32 [B or 1, 1 or Hq, L, T]
+(T = all positions; -inf = masked, else added to the logit after the soft cap), None = everything allowed.
+
+Fields are read through a block table: field address (b, h, j) = base + block_table[b, j] * stride_block +
+h * stride_head + b * stride_batch (`PackedTiles.cache` for the [B, H, n, ...] fields of the transformers cache,
+`PackedTiles.pool` for a paged pool [num_blocks, H, ...] shared by all rows).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvarn.kernels.cpu.build import load
+
+FIELDS = ("codes", "row_scale", "row_zero", "col_scale", "rotated")
+ROTATE = {"none": 0, "hadamard": 1, "auto": 2}
+KERNEL_BITS = (1, 2, 4, 8)
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+MIN_TILES_PER_SPLIT = 8
+
+_EMPTY = torch.empty(0)
+
+
+@dataclass(frozen=True)
+class PackedTiles:
+    """The packed fields of one tensor kind (keys per channel or values per token) and how to address them.
+
+    fields: codes [.., R, C*bits/8] uint8, row_scale [.., R], row_zero [.., R], col_scale [.., C] (VarN only),
+    rotated [..] uint8 (rotate="auto" only); strides[name] = (batch, head, block) strides in elements."""
+
+    fields: Mapping[str, torch.Tensor]
+    strides: Mapping[str, tuple[int, int, int]]
+    bits: int
+    rotate: str
+
+    @classmethod
+    def cache(cls, fields: Mapping[str, torch.Tensor], bits: int, rotate: str) -> PackedTiles:
+        """Fields [B, H, n, ...] (block_table[b, j] = j)."""
+        return cls(fields, {k: (v.stride(0), v.stride(1), v.stride(2)) for k, v in fields.items()}, bits, rotate)
+
+    @classmethod
+    def pool(cls, fields: Mapping[str, torch.Tensor], bits: int, rotate: str) -> PackedTiles:
+        """Fields [num_blocks, H, ...] shared by every batch row (stride_batch = 0)."""
+        return cls(fields, {k: (0, v.stride(1), v.stride(0)) for k, v in fields.items()}, bits, rotate)
+
+    def check(self, what: str, rows: int, cols: int) -> None:
+        if self.bits not in KERNEL_BITS:
+            raise ValueError(f"{what}: {self.bits}-bit codes are not supported by the fused kernel ({KERNEL_BITS})")
+        if self.rotate not in ROTATE:
+            raise ValueError(f"{what}: rotate must be one of {tuple(ROTATE)}, got {self.rotate!r}")
+        need = ["codes", "row_scale", "row_zero"] + (["rotated"] if self.rotate == "auto" else [])
+        for name in need:
+            if name not in self.fields:
+                raise ValueError(f"{what}: missing packed field {name!r}")
+        inner = {"codes": (rows, cols * self.bits // 8), "row_scale": (rows,), "row_zero": (rows,),
+                 "col_scale": (cols,), "rotated": ()}
+        for name, t in self.fields.items():
+            if name not in inner:
+                raise ValueError(f"{what}: unexpected packed field {name!r}")
+            tail = tuple(t.shape[t.dim() - len(inner[name]):]) if inner[name] else ()
+            if tail != inner[name]:
+                raise ValueError(f"{what}: field {name} ends in {tail}, expected {inner[name]}")
+            if inner[name] and not t[(0,) * (t.dim() - len(inner[name]))].is_contiguous():
+                raise ValueError(f"{what}: field {name} is not contiguous within a tile")
+            if name == "codes" or name == "rotated":
+                if t.dtype != torch.uint8:
+                    raise ValueError(f"{what}: field {name} must be uint8, got {t.dtype}")
+            elif t.dtype not in SCALE_DTYPES:
+                raise ValueError(f"{what}: field {name} has dtype {t.dtype}; the kernel reads {SCALE_DTYPES}")
+
+    def args(self) -> tuple[list[torch.Tensor], list[int]]:
+        tensors = [self.fields.get(k, _EMPTY) for k in FIELDS]
+        strides = [s for k in FIELDS for s in self.strides.get(k, (0, 0, 0))]
+        return tensors, strides
+
+
+def available() -> bool:
+    """Whether the extension is built and loaded (builds it on first call; warns once when it cannot)."""
+    return load() is not None
+
+
+def auto_splits(batch: int, heads: int, max_blocks: int) -> int:
+    """Context splits per (row, head): enough work items for 4 per thread, each of at least 8 tiles."""
+    want = math.ceil(4 * torch.get_num_threads() / max(1, batch * heads))
+    return max(1, min(want, math.ceil(max_blocks / MIN_TILES_PER_SPLIT)))
+
+
+def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles, values: PackedTiles,
+                   block_table: torch.Tensor, n_blocks: torch.Tensor, tile: int, length: int = 1,
+                   dense: Sequence[tuple[torch.Tensor, torch.Tensor, int]] = (), tiles_pos: int = 0,
+                   bias: torch.Tensor | None = None, softcap: float | None = None,
+                   exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel itself: qs (scaled, plain) and qh = qs H, float32 [B, Hkv, M, D] (row j*L + l = query head
+    h*groups + j at position l), dense = (k, v, position) float32 [B, Hkv, t, D]. Returns the value outputs of the
+    plain and of the rotated basis, float32 [B, Hkv, M, D] each, already divided by the softmax sum."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the fused CPU decode kernel is unavailable (see the warning above)")
+    b, h, _, d = qs.shape
+    keys.check("keys", d, tile)
+    values.check("values", tile, d)
+    if block_table.dim() != 2 or block_table.shape[0] != b or n_blocks.shape != (b,):
+        raise ValueError(f"block_table must be [B={b}, max_blocks] and n_blocks [B], got "
+                         f"{tuple(block_table.shape)} and {tuple(n_blocks.shape)}")
+    qs = qs.float().contiguous()
+    qh = qs if qh is None else qh.float().contiguous()
+    kt, ks = keys.args()
+    vt, vs = values.args()
+    em, ek, ev = exact if exact is not None else (_EMPTY, _EMPTY, _EMPTY)
+    dk = [k.float() if k.stride(-1) == 1 else k.float().contiguous() for k, _, _ in dense]
+    dv = [v.float() if v.stride(-1) == 1 else v.float().contiguous() for _, v, _ in dense]
+    if bias is not None:
+        bias = bias.float()
+        bias = bias if bias.stride(-1) == 1 else bias.contiguous()
+        bias = bias.expand(b, *bias.shape[1:])
+    s = splits or auto_splits(b, h, block_table.shape[1])
+    out_p, out_r = ext.decode_attention(
+        qs, qh, kt, ks, keys.bits, ROTATE[keys.rotate], vt, vs, values.bits, ROTATE[values.rotate],
+        block_table.to(torch.int32), n_blocks.to(torch.int32), tile, em.to(torch.int32).contiguous(),
+        ek.float().contiguous(), ev.float().contiguous(), dk, dv, [p for _, _, p in dense], tiles_pos,
+        _EMPTY if bias is None else bias, length, float(softcap or 0.0), s)
+    return out_p, out_r
+
+
+def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles, block_table: torch.Tensor,
+                     n_blocks: torch.Tensor, tile: int, *, scaling: float | None = None,
+                     dense: Sequence[tuple[torch.Tensor, torch.Tensor, int]] = (), tiles_pos: int = 0,
+                     bias: torch.Tensor | None = None, softcap: float | None = None,
+                     exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     splits: int | None = None) -> torch.Tensor:
+    """softmax(q K^T * scaling [softcapped] + bias) V over packed tiles and dense segments (module docstring).
+
+    query [B, Hq, L, D] (any float dtype; computed in float32) -> float32 [B, Hq, L, D]. Hq must be a multiple of the
+    KV heads of the fields; dense (k, v, position): k, v [B, Hkv, t, D] at positions position.. of the bias's T axis;
+    tiles_pos: the position of tile 0."""
+    from kvarn.attention.packed import _hadamard
+
+    b, hq, length, d = query.shape
+    hkv = _heads(keys)
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    g = hq // hkv
+    scale = d ** -0.5 if scaling is None else scaling
+    qs = (query.float() * scale).reshape(b, hkv, g * length, d)
+    qh = _hadamard(qs) if keys.rotate != "none" else None
+    out_p, out_r = decode_partial(qs, qh, keys, values, block_table, n_blocks, tile, length, dense, tiles_pos, bias,
+                                  softcap, exact, splits)
+    out = out_p + _hadamard(out_r) if values.rotate != "none" else out_p
+    return out.reshape(b, hq, length, d)
+
+
+def _heads(tiles: PackedTiles) -> int:
+    codes = tiles.fields["codes"]
+    return codes.shape[1]
