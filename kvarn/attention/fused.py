@@ -82,9 +82,10 @@ def _exact(keys: StoredKV, values: StoredKV):
     return emap, _decoded(keys, idx), _decoded(values, idx)
 
 
-def _bias(mask: torch.Tensor | None, ok: torch.Tensor, length: int) -> torch.Tensor | None:
-    """float32 [B or 1, 1 or Hq, L, T]: 0 or the additive mask where allowed, -inf elsewhere; None if all allowed."""
-    if mask is None and length == 1:
+def _bias(mask: torch.Tensor | None, ok: torch.Tensor | None) -> torch.Tensor | None:
+    """float32 [B or 1, 1 or Hq, L, T]: 0 or the additive mask where allowed, -inf elsewhere; None if all allowed
+    (ok None: a decode step without a mask)."""
+    if ok is None:
         return None
     add = mask if mask is not None and mask.dtype != torch.bool else None
     if add is None and bool(ok.all()):
@@ -93,11 +94,25 @@ def _bias(mask: torch.Tensor | None, ok: torch.Tensor, length: int) -> torch.Ten
     return base.masked_fill(~ok, float("-inf"))
 
 
+_TABLES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _table(b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table of the cache layout (block_table[b, j] = j) and n_blocks, cached per (B, n)."""
+    t = _TABLES.get((b, n))
+    if t is None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        t = _TABLES[b, n] = (torch.arange(n, dtype=torch.int32).expand(b, n), torch.full((b,), n, dtype=torch.int32))
+    return t
+
+
 def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: StoredKV, values: StoredKV,
-                    ok: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    ok: torch.Tensor | None, mask: torch.Tensor | None, scale: float,
                     softcap: float | None) -> torch.Tensor:
-    """packed_attention's result [B, L, Hq, D] (query dtype) through the kernel; `ok` the boolean allowed mask."""
-    b, _, length, _ = query.shape
+    """packed_attention's result [B, L, Hq, D] (query dtype) through the kernel; `ok` the boolean allowed mask
+    (`attention.packed.allowed`), None for a single query without a mask (everything allowed)."""
+    b = query.shape[0]
     dense = []
     if keys.sink_len:
         dense.append((keys.sink_rows(torch.float32), values.sink_rows(torch.float32), 0))
@@ -106,8 +121,8 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         dense.append((keys.tail_rows(torch.float32), values.tail_rows(torch.float32), tail_pos))
     dense.append((key.float(), value.float(), keys.length))
     n = keys.n_tiles
-    table = torch.arange(n, dtype=torch.int32).expand(b, n)
-    out = kernel.decode_attention(query, _tiles(keys), _tiles(values), table, torch.full((b,), n, dtype=torch.int32),
-                                  keys.tile, scaling=scale, dense=dense, tiles_pos=keys.sink_len,
-                                  bias=_bias(mask, ok, length), softcap=softcap, exact=_exact(keys, values))
+    table, count = _table(b, n)
+    out = kernel.decode_attention(query, _tiles(keys), _tiles(values), table, count, keys.tile, scaling=scale,
+                                  dense=dense, tiles_pos=keys.sink_len, bias=_bias(mask, ok), softcap=softcap,
+                                  exact=_exact(keys, values), validate=False)
     return out.transpose(1, 2).to(query.dtype).contiguous()

@@ -55,14 +55,19 @@ LOGIT_CHUNK_ELEMENTS = 1 << 24  # logits per chunk of queries (long prefills on 
 _H: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _hadamard(x: torch.Tensor) -> torch.Tensor:
-    """x @ H along the last axis with the dense matrix of `ops.hadamard` (cached per size, dtype, device). Here x
-    is a query or an output, M x D with M small: one matmul beats the log2(D) butterfly stages on CPU."""
-    key = (x.shape[-1], x.dtype, x.device)
+def hadamard_for(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The dense matrix H [d, d] of `ops.hadamard`, cached per size, dtype and device."""
+    key = (d, dtype, torch.device(device))
     h = _H.get(key)
     if h is None:
-        h = _H[key] = hadamard_matrix(x.shape[-1], x.dtype, x.device)
-    return x @ h
+        h = _H[key] = hadamard_matrix(d, dtype, device)
+    return h
+
+
+def _hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x @ H along the last axis. Here x is a query or an output, M x D with M small: one matmul beats the log2(D)
+    butterfly stages on CPU."""
+    return x @ hadamard_for(x.shape[-1], x.dtype, x.device)
 
 
 @dataclass(frozen=True)
@@ -324,9 +329,11 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     keys_view = past.keys if past is not None else None
     values_view = past.values if past is not None else None
     scale = d ** -0.5 if scaling is None else scaling
-    ok = allowed(attention_mask, b, length, kv_len, query.device)
     if _use_fused(query, past):
+        ok = None if attention_mask is None and length == 1 else allowed(attention_mask, b, length, kv_len,
+                                                                          query.device)
         return fused.fused_attention(query, key, value, past.keys, past.values, ok, attention_mask, scale, softcap)
+    ok = allowed(attention_mask, b, length, kv_len, query.device)
     add = _additive(attention_mask)
     # queries regrouped per KV head: row j*L + l of head kv is query head kv*g + j at position l
     qs = query.to(cd).reshape(b, hkv, g * length, d) * scale

@@ -287,7 +287,8 @@ struct State {  // online softmax of the M rows of one work item
 
 struct Job {
   int64_t B, H, M, D, G, L, groups, T;
-  const float *q, *qh;
+  const float *q, *qh, *hmat;
+  float scale;
   Kind keys, values;
   const int32_t* bt;
   int64_t bt_stride;
@@ -318,10 +319,9 @@ void finish_logits(const Job& J, int64_t b, int64_t h, float* s, int ss, int n, 
 }
 
 // Dense rows K, V (row strides ks, vs) at positions pos.., plain basis, in chunks of the logit buffer.
-void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* K, int64_t ks, const float* V,
-                int64_t vs, int64_t n, int64_t pos, float* s, int ss) {
+void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, const float* K, int64_t ks,
+                const float* V, int64_t vs, int64_t n, int64_t pos, float* s, int ss) {
   const int M = J.M, D = J.D;
-  const float* q = J.q + (b * J.H + h) * M * D;
   for (int64_t c0 = 0; c0 < n; c0 += ss) {
     const int cn = static_cast<int>(std::min<int64_t>(ss, n - c0));
     for (int i = 0; i < cn; ++i) {
@@ -350,6 +350,19 @@ void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* K, i
   }
 }
 
+// out [M][D] = x [M][D] @ H [D][D]
+void matmul_h(const float* x, const float* hm, int64_t M, int64_t D, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* o = out + m * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t k = 0; k < D; ++k) {
+      const float xv = x[m * D + k];
+      const float* hr = hm + k * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += xv * hr[d];
+    }
+  }
+}
+
 // One packed tile: keys per channel (codes [D][G]), values per token (codes [G][D]).
 struct Scratch {
   std::vector<float> s, w, t, a, z, col, pz;
@@ -357,13 +370,14 @@ struct Scratch {
                                          z(std::max(D, G)), col(std::max(D, G)), pz(M) {}
 };
 
-void packed_tile(const Job& J, int64_t b, int64_t h, int64_t blk, State& st, Scratch& sc, int64_t pos) {
+void packed_tile(const Job& J, int64_t b, int64_t h, int64_t blk, State& st, Scratch& sc, int64_t pos,
+                 const float* qp, const float* qr) {
   const int M = J.M, D = J.D, G = J.G;
   const int ss = static_cast<int>(sc.s.size() / M);
   float* s = sc.s.data();
   // keys: logit_g = t_g (sum_d (q~_d a_d) code[d, g] + sum_d q~_d z_d)
   const Kind& K = J.keys;
-  const float* q = (K.rotated(b, h, blk) ? J.qh : J.q) + (b * J.H + h) * M * D;
+  const float* q = K.rotated(b, h, blk) ? qr : qp;
   K.a.floats(b, h, blk, D, sc.a.data());
   K.z.floats(b, h, blk, D, sc.z.data());
   std::vector<float>& c0 = sc.t;  // M values, reused
@@ -419,7 +433,7 @@ void packed_tile(const Job& J, int64_t b, int64_t h, int64_t blk, State& st, Scr
 }  // namespace
 
 std::vector<at::Tensor> decode_attention(
-    const at::Tensor& q, const at::Tensor& qh, const std::vector<at::Tensor>& kf, const std::vector<int64_t>& ks,
+    const at::Tensor& q, const at::Tensor& qh, const at::Tensor& hmat, double scale, const std::vector<at::Tensor>& kf, const std::vector<int64_t>& ks,
     int64_t k_bits, int64_t k_rotate, const std::vector<at::Tensor>& vf, const std::vector<int64_t>& vs,
     int64_t v_bits, int64_t v_rotate, const at::Tensor& block_table, const at::Tensor& n_blocks, int64_t tile,
     const at::Tensor& exact_map, const at::Tensor& exact_k, const at::Tensor& exact_v,
@@ -437,7 +451,11 @@ std::vector<at::Tensor> decode_attention(
   TORCH_CHECK(L > 0 && J.M % L == 0, "kvarn decode: M query rows per KV head must be groups * L");
   J.groups = J.M / L;
   J.q = q.data_ptr<float>();
-  J.qh = qh.numel() ? qh.data_ptr<float>() : J.q;
+  J.qh = qh.numel() ? qh.data_ptr<float>() : nullptr;
+  J.hmat = hmat.numel() ? hmat.data_ptr<float>() : nullptr;
+  J.scale = static_cast<float>(scale);
+  TORCH_CHECK(!J.hmat || (hmat.scalar_type() == at::kFloat && hmat.is_contiguous() && hmat.numel() == J.D * J.D),
+              "kvarn decode: H must be float32 [D, D]");
   J.keys = make_kind(kf, ks, k_bits, k_rotate);
   J.values = make_kind(vf, vs, v_bits, v_rotate);
   TORCH_CHECK(block_table.scalar_type() == at::kInt && n_blocks.scalar_type() == at::kInt, "kvarn decode: int32 tables");
@@ -471,18 +489,28 @@ std::vector<at::Tensor> decode_attention(
 
   at::parallel_for(0, B * H * S, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(static_cast<int>(M), static_cast<int>(D), static_cast<int>(J.G), ss);
+    std::vector<float> qbuf(2 * M * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (H * S), h = item / S % H, s = item % S;
       State st(static_cast<int>(M), static_cast<int>(D));
+      // the item's queries: scaled, and in the rotated basis (q~ = q H) when H is given, else the caller's qh
+      const float* qin = J.q + (b * H + h) * M * D;
+      for (int64_t i = 0; i < M * D; ++i) qbuf[i] = qin[i] * J.scale;
+      const float* qp = qbuf.data();
+      const float* qr = J.qh ? J.qh + (b * H + h) * M * D : qp;
+      if (J.hmat) {
+        matmul_h(qp, J.hmat, M, D, qbuf.data() + M * D);
+        qr = qbuf.data() + M * D;
+      }
       const int64_t nb = J.nb[b];
       const int64_t j0 = nb * s / S, j1 = nb * (s + 1) / S;
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t pos = J.tiles_pos + j * J.G;
         const int32_t e = J.emap ? J.emap[(b * H + h) * J.emap_blocks + j] : -1;
         if (e >= 0) {  // kept exact (non-finite input): its exact copy, in the plain basis
-          dense_rows(J, b, h, st, J.ek + e * J.G * D, D, J.ev + e * J.G * D, D, J.G, pos, sc.s.data(), ss);
+          dense_rows(J, b, h, st, qp, J.ek + e * J.G * D, D, J.ev + e * J.G * D, D, J.G, pos, sc.s.data(), ss);
         } else {
-          packed_tile(J, b, h, J.bt[b * J.bt_stride + j], st, sc, pos);
+          packed_tile(J, b, h, J.bt[b * J.bt_stride + j], st, sc, pos, qp, qr);
         }
       }
       if (s == S - 1) {
@@ -490,7 +518,7 @@ std::vector<at::Tensor> decode_attention(
           const at::Tensor &k = J.dk[i], &v = J.dv[i];
           const float* kp = k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1);
           const float* vp = v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1);
-          dense_rows(J, b, h, st, kp, k.stride(2), vp, v.stride(2), k.size(2), J.dpos[i], sc.s.data(), ss);
+          dense_rows(J, b, h, st, qp, kp, k.stride(2), vp, v.stride(2), k.size(2), J.dpos[i], sc.s.data(), ss);
         }
       }
       std::memcpy(pmx + item * M, st.mx.data(), M * 4);
@@ -534,7 +562,15 @@ std::vector<at::Tensor> decode_attention(
           o2[d] *= inv;
         }
       }
+    if (J.hmat) {  // out = plain + rotated H, once per row
+      std::vector<float> tmp(D);
+      for (int64_t r = begin * M; r < end * M; ++r) {
+        matmul_h(orr + r * D, J.hmat, 1, D, tmp.data());
+        for (int64_t d = 0; d < D; ++d) op[r * D + d] += tmp[d];
+      }
+    }
   });
+  if (J.hmat) return {out_p, at::Tensor()};
   return {out_p, out_r};
 }
 

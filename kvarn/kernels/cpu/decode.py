@@ -77,23 +77,34 @@ class PackedTiles:
         inner = {"codes": (rows, cols * self.bits // 8), "row_scale": (rows,), "row_zero": (rows,),
                  "col_scale": (cols,), "rotated": ()}
         for name, t in self.fields.items():
-            if name not in inner:
+            shape = inner.get(name)
+            if shape is None:
                 raise ValueError(f"{what}: unexpected packed field {name!r}")
-            tail = tuple(t.shape[t.dim() - len(inner[name]):]) if inner[name] else ()
-            if tail != inner[name]:
-                raise ValueError(f"{what}: field {name} ends in {tail}, expected {inner[name]}")
-            if inner[name] and not t[(0,) * (t.dim() - len(inner[name]))].is_contiguous():
-                raise ValueError(f"{what}: field {name} is not contiguous within a tile")
-            if name == "codes" or name == "rotated":
-                if t.dtype != torch.uint8:
-                    raise ValueError(f"{what}: field {name} must be uint8, got {t.dtype}")
-            elif t.dtype not in SCALE_DTYPES:
-                raise ValueError(f"{what}: field {name} has dtype {t.dtype}; the kernel reads {SCALE_DTYPES}")
+            k = len(shape)
+            if k and (tuple(t.shape[-k:]) != shape or tuple(t.stride()[-k:]) != _contiguous_strides(shape)):
+                raise ValueError(f"{what}: field {name} must end in {shape}, contiguous within a tile; got shape "
+                                 f"{tuple(t.shape)}, strides {t.stride()}")
+            if (t.dtype == torch.uint8) != (name in ("codes", "rotated")) or t.dtype not in (torch.uint8,
+                                                                                           *SCALE_DTYPES):
+                raise ValueError(f"{what}: field {name} has dtype {t.dtype} (codes and flags: uint8; scales: "
+                                 f"{SCALE_DTYPES})")
 
     def args(self) -> tuple[list[torch.Tensor], list[int]]:
         tensors = [self.fields.get(k, _EMPTY) for k in FIELDS]
         strides = [s for k in FIELDS for s in self.strides.get(k, (0, 0, 0))]
         return tensors, strides
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[1], 1) if len(shape) == 2 else (1,)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def available() -> bool:
@@ -112,37 +123,43 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
                    dense: Sequence[tuple[torch.Tensor, torch.Tensor, int]] = (), tiles_pos: int = 0,
                    bias: torch.Tensor | None = None, softcap: float | None = None,
                    exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                   splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel itself: qs (scaled, plain) and qh = qs H, float32 [B, Hkv, M, D] (row j*L + l = query head
-    h*groups + j at position l), dense = (k, v, position) float32 [B, Hkv, t, D]. Returns the value outputs of the
-    plain and of the rotated basis, float32 [B, Hkv, M, D] each, already divided by the softmax sum."""
+                   splits: int | None = None, hadamard: torch.Tensor | None = None, scale: float = 1.0,
+                   validate: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel itself: qs (plain) and qh = qs H, float32 [B, Hkv, M, D] (row j*L + l = query head h*groups + j at
+    position l), multiplied by `scale` in the kernel; dense = (k, v, position) float32 [B, Hkv, t, D]. Returns the
+    value outputs of the plain and of the rotated basis, float32 [B, Hkv, M, D] each, already divided by the softmax
+    sum. With `hadamard` (H float32 [D, D]) the kernel computes q~ = q H itself (qh unused) and returns
+    (plain + rotated H, None): the rotation back, once per row. validate=False skips the field checks (callers that
+    pass a store's own fields)."""
     ext = load()
     if ext is None:
         raise RuntimeError("the fused CPU decode kernel is unavailable (see the warning above)")
     b, h, _, d = qs.shape
-    keys.check("keys", d, tile)
-    values.check("values", tile, d)
+    if keys.rotate != "none" and qh is None and hadamard is None:
+        raise ValueError("keys stored rotated need the rotated queries qh or the matrix `hadamard`")
+    if validate:
+        keys.check("keys", d, tile)
+        values.check("values", tile, d)
     if block_table.dim() != 2 or block_table.shape[0] != b or n_blocks.shape != (b,):
         raise ValueError(f"block_table must be [B={b}, max_blocks] and n_blocks [B], got "
                          f"{tuple(block_table.shape)} and {tuple(n_blocks.shape)}")
-    qs = qs.float().contiguous()
-    qh = qs if qh is None else qh.float().contiguous()
+    qs = _f32(qs).contiguous()
+    qh = qs if qh is None else _f32(qh).contiguous()
     kt, ks = keys.args()
     vt, vs = values.args()
     em, ek, ev = exact if exact is not None else (_EMPTY, _EMPTY, _EMPTY)
-    dk = [k.float() if k.stride(-1) == 1 else k.float().contiguous() for k, _, _ in dense]
-    dv = [v.float() if v.stride(-1) == 1 else v.float().contiguous() for _, v, _ in dense]
+    dk = [_rows(k) for k, _, _ in dense]
+    dv = [_rows(v) for _, v, _ in dense]
     if bias is not None:
-        bias = bias.float()
-        bias = bias if bias.stride(-1) == 1 else bias.contiguous()
-        bias = bias.expand(b, *bias.shape[1:])
+        bias = _rows(bias).expand(b, *bias.shape[1:])
     s = splits or auto_splits(b, h, block_table.shape[1])
+    h_arg = _EMPTY if hadamard is None else _f32(hadamard).contiguous()
     out_p, out_r = ext.decode_attention(
-        qs, qh, kt, ks, keys.bits, ROTATE[keys.rotate], vt, vs, values.bits, ROTATE[values.rotate],
-        block_table.to(torch.int32), n_blocks.to(torch.int32), tile, em.to(torch.int32).contiguous(),
-        ek.float().contiguous(), ev.float().contiguous(), dk, dv, [p for _, _, p in dense], tiles_pos,
+        qs, qh, h_arg, float(scale), kt, ks, keys.bits, ROTATE[keys.rotate], vt, vs, values.bits, ROTATE[values.rotate],
+        _int32(block_table), _int32(n_blocks), tile, _int32(em).contiguous(), _f32(ek).contiguous(),
+        _f32(ev).contiguous(), dk, dv, [p for _, _, p in dense], tiles_pos,
         _EMPTY if bias is None else bias, length, float(softcap or 0.0), s)
-    return out_p, out_r
+    return out_p, (out_r if out_r is not None and out_r.numel() else None)
 
 
 def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles, block_table: torch.Tensor,
@@ -150,28 +167,29 @@ def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles
                      dense: Sequence[tuple[torch.Tensor, torch.Tensor, int]] = (), tiles_pos: int = 0,
                      bias: torch.Tensor | None = None, softcap: float | None = None,
                      exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, validate: bool = True) -> torch.Tensor:
     """softmax(q K^T * scaling [softcapped] + bias) V over packed tiles and dense segments (module docstring).
 
     query [B, Hq, L, D] (any float dtype; computed in float32) -> float32 [B, Hq, L, D]. Hq must be a multiple of the
     KV heads of the fields; dense (k, v, position): k, v [B, Hkv, t, D] at positions position.. of the bias's T axis;
     tiles_pos: the position of tile 0."""
-    from kvarn.attention.packed import _hadamard
+    from kvarn.attention.packed import hadamard_for
 
     b, hq, length, d = query.shape
-    hkv = _heads(keys)
+    hkv = keys.fields["codes"].shape[1]
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     g = hq // hkv
-    scale = d ** -0.5 if scaling is None else scaling
-    qs = (query.float() * scale).reshape(b, hkv, g * length, d)
-    qh = _hadamard(qs) if keys.rotate != "none" else None
-    out_p, out_r = decode_partial(qs, qh, keys, values, block_table, n_blocks, tile, length, dense, tiles_pos, bias,
-                                  softcap, exact, splits)
-    out = out_p + _hadamard(out_r) if values.rotate != "none" else out_p
+    q = _f32(query).reshape(b, hkv, g * length, d)
+    rotated = keys.rotate != "none" or values.rotate != "none"
+    out, _ = decode_partial(q, None, keys, values, block_table, n_blocks, tile, length, dense, tiles_pos, bias,
+                            softcap, exact, splits, hadamard_for(d) if rotated else None,
+                            d ** -0.5 if scaling is None else scaling, validate)
     return out.reshape(b, hq, length, d)
 
 
-def _heads(tiles: PackedTiles) -> int:
-    codes = tiles.fields["codes"]
-    return codes.shape[1]
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """float32 with unit stride on the last axis (rows read as plain arrays)."""
+    x = _f32(x)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
