@@ -33,6 +33,10 @@ are overwritten and their value contributions added from the exact copies.
 Other quantizers (baselines) and keys stored before RoPE take the fallback: each chunk of tiles is decoded
 (`StoredKV.decode_tiles`) and multiplied like an exact segment, inside the same single softmax.
 
+Decode-like steps (few queries) on CPU over KVarN-orientation tiles take the fused C++ kernel instead
+(`kvarn.attention.fused`, `kvarn.kernels.cpu`): the same arithmetic from the codes in one online softmax, no unpacked
+chunk. KVARN_KERNEL=torch keeps everything on the PyTorch path below (the reference); prefill always uses it.
+
 Compute dtype: float32 (float64 for float64 queries). Dropout is not supported (inference only).
 """
 
