@@ -209,6 +209,19 @@ def test_block_table_paged_pool(seed):
                               torch.arange(n, dtype=torch.int32).expand(b, n), n_blocks, g, dense=[(*fresh, t)],
                               splits=2)
     assert torch.equal(pooled, cached)
+    bad = table.clone()
+    bad[1, 2] = b * n  # one past the pool
+    with pytest.raises(ValueError, match="outside"):
+        decode_attention(q, PackedTiles.pool(_pool(past.keys.packed.fields, perm), kc.bits, kc.rotate),
+                         PackedTiles.pool(_pool(past.values.packed.fields, perm), vc.bits, vc.rotate), bad, n_blocks, g)
+    with pytest.raises(ValueError, match="must end in"):  # value fields passed as keys: [G, D/4] rows, not [D, G/4]
+        decode_attention(q[..., :g], PackedTiles.cache(past.values.packed.fields, 2, "auto"),
+                         PackedTiles.cache(past.values.packed.fields, 2, "auto"),
+                         torch.arange(n, dtype=torch.int32).expand(b, n), n_blocks, 32)
+    with pytest.raises(ValueError, match="n_blocks"):
+        decode_attention(q, PackedTiles.cache(past.keys.packed.fields, kc.bits, kc.rotate),
+                         PackedTiles.cache(past.values.packed.fields, vc.bits, vc.rotate),
+                         torch.arange(n, dtype=torch.int32).expand(b, n), n_blocks + 1, g)
     kd, vd = dequant_f64(past.keys), dequant_f64(past.values)
     for row in range(b):
         m = int(n_blocks[row]) * g

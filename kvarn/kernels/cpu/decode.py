@@ -54,16 +54,19 @@ class PackedTiles:
     strides: Mapping[str, tuple[int, int, int]]
     bits: int
     rotate: str
+    capacity: int = 0  # blocks addressable (block_table entries must be below it)
 
     @classmethod
     def cache(cls, fields: Mapping[str, torch.Tensor], bits: int, rotate: str) -> PackedTiles:
         """Fields [B, H, n, ...] (block_table[b, j] = j)."""
-        return cls(fields, {k: (v.stride(0), v.stride(1), v.stride(2)) for k, v in fields.items()}, bits, rotate)
+        return cls(fields, {k: (v.stride(0), v.stride(1), v.stride(2)) for k, v in fields.items()}, bits, rotate,
+                   fields["codes"].shape[2])
 
     @classmethod
     def pool(cls, fields: Mapping[str, torch.Tensor], bits: int, rotate: str) -> PackedTiles:
         """Fields [num_blocks, H, ...] shared by every batch row (stride_batch = 0)."""
-        return cls(fields, {k: (0, v.stride(1), v.stride(0)) for k, v in fields.items()}, bits, rotate)
+        return cls(fields, {k: (0, v.stride(1), v.stride(0)) for k, v in fields.items()}, bits, rotate,
+                   fields["codes"].shape[0])
 
     def check(self, what: str, rows: int, cols: int) -> None:
         if self.bits not in KERNEL_BITS:
@@ -107,6 +110,19 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+def _check_table(block_table: torch.Tensor, n_blocks: torch.Tensor, capacity: int) -> None:
+    """Every block the kernel will read exists: n_blocks[b] <= max_blocks and block_table[b, :n_blocks[b]] in
+    [0, capacity) (the kernel does not bounds-check its reads)."""
+    if block_table.dim() != 2 or n_blocks.dim() != 1 or n_blocks.shape[0] != block_table.shape[0]:
+        return  # reported with the shapes below
+    if n_blocks.numel() and (int(n_blocks.min()) < 0 or int(n_blocks.max()) > block_table.shape[1]):
+        raise ValueError(f"n_blocks must be in [0, {block_table.shape[1]}], got {n_blocks.tolist()}")
+    used = torch.arange(block_table.shape[1]).unsqueeze(0) < n_blocks.unsqueeze(1)
+    ids = block_table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= capacity):
+        raise ValueError(f"block_table holds blocks outside [0, {capacity}): {int(ids.min())}..{int(ids.max())}")
+
+
 def available() -> bool:
     """Whether the extension is built and loaded (builds it on first call; warns once when it cannot)."""
     return load() is not None
@@ -140,6 +156,7 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
     if validate:
         keys.check("keys", d, tile)
         values.check("values", tile, d)
+        _check_table(block_table, n_blocks, min(keys.capacity, values.capacity))
     if block_table.dim() != 2 or block_table.shape[0] != b or n_blocks.shape != (b,):
         raise ValueError(f"block_table must be [B={b}, max_blocks] and n_blocks [B], got "
                          f"{tuple(block_table.shape)} and {tuple(n_blocks.shape)}")
