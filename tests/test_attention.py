@@ -1,8 +1,8 @@
 """Attention over the packed cache (kvarn.attention) against an independent float64 oracle.
 
-The oracle below dequantizes the stored fields itself (bit-stream unpacking, (q a + z) t in float64, Sylvester
-Hadamard from tests/reference) and runs softmax attention written plainly with an explicit GQA head map. The
-packed path is checked twice:
+The oracle below dequantizes the stored fields itself (bit-by-bit unpacking from tests/reference/packing, (q a + z) t
+in float64, Sylvester Hadamard from tests/reference) and runs softmax attention written plainly with an explicit GQA
+head map. The packed path is checked twice:
   * float64 queries: the packed path then computes in float64 from the same stored fp16 scales and exact codes,
     so it must agree to rounding: |err| <= 1e-9 * (1 + max|V|) (measured ~1e-14; the bound leaves room for
     summation order over a few hundred terms);
@@ -20,6 +20,7 @@ import pytest
 import torch
 from reference.data import heavy_tailed, real_kv
 from reference.hadamard import hadamard_reference
+from reference.packing import unpack_tensor
 
 import kvarn.attention.packed as packed_mod
 from kvarn.attention import KVarNPast, kvarn_attention_forward, packed_attention, reference_from_past
@@ -36,18 +37,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:kvarn. key tiles stored before a
 
 
 # -- the oracle -------------------------------------------------------------------------------------------------
-def unpack_stream(data: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed bytes [..., m] read as a little-endian bit stream: code i = bits [i*b, (i+1)*b). int64 [..., 8m/b]."""
-    stream = (data.long().unsqueeze(-1) >> torch.arange(8)) & 1  # [..., m, 8], bit j of byte k = stream bit 8k+j
-    stream = stream.flatten(-2).unflatten(-1, (-1, bits))  # [..., n, b]
-    return (stream << torch.arange(bits)).sum(-1)
-
-
 def dequant_affine_f64(view: StoredKV) -> torch.Tensor:
     """[B, H, n*G, D] float64 reconstruction of packed tiles of an AffineQuantizer (SPEC §3 step 5)."""
     cfg = view.quantizer.config
     f = view.packed.fields
-    codes = unpack_stream(f["codes"], cfg.bits).double()  # [B, H, n, R, C]
+    codes = unpack_tensor(f["codes"], cfg.bits).double()  # [B, H, n, R, C]
     x = codes * f["row_scale"].double().unsqueeze(-1) + f["row_zero"].double().unsqueeze(-1)
     if "col_scale" in f:
         x = x * f["col_scale"].double().unsqueeze(-2)
@@ -323,14 +317,14 @@ def test_attention_function_without_past_is_sdpa(seed):
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_unpack_codes_to_float(bits, seed):
-    """ops.unpack_codes(dtype=float) (the int32-word read used here) equals the bit-stream oracle, also on the
+    """ops.unpack_codes(dtype=float) (the int32-word read used here) equals the bit-by-bit oracle, also on the
     strided tile slices the attention reads."""
     from kvarn.ops.packing import unpack_codes
 
     gen = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (2, 3, 5, 7, 24), generator=gen, dtype=torch.uint8)
     for part in (data, data[:, :, 1:4], data[:, :, :, :, 4:16], data[..., 1:13]):
-        want = unpack_stream(part, bits) if bits != 3 else unpack_codes(part, 3).long()
+        want = unpack_tensor(part, bits)
         for dtype in (torch.float32, torch.float64, torch.uint8):
             got = unpack_codes(part, bits, dtype=dtype)
             assert got.dtype == dtype and torch.equal(got.long(), want)

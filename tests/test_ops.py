@@ -249,8 +249,11 @@ def test_pack_bit_layout_by_hand():
     assert pack_codes(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=u8), 1).tolist() == [0x81]
     # 2 bits: 1 | 2 << 2 | 3 << 4 | 0 << 6 = 1 + 8 + 48 = 57 = 0x39
     assert pack_codes(torch.tensor([1, 2, 3, 0], dtype=u8), 2).tolist() == [0x39]
-    # 4 bits: low nibble first: codes 0xA, 0x5 -> 0x5A; then 0x0, 0xF -> 0xF0
-    assert pack_codes(torch.tensor([0xA, 0x5, 0x0, 0xF], dtype=u8), 4).tolist() == [0x5A, 0xF0]
+    # 4 bits, planes of m = 2 bytes: byte 0 holds codes 0 and 2 (0xA, 0x0 -> 0x0A), byte 1 codes 1 and 3 -> 0xF5
+    assert pack_codes(torch.tensor([0xA, 0x5, 0x0, 0xF], dtype=u8), 4).tolist() == [0x0A, 0xF5]
+    # 2 bits, 8 codes, m = 2: byte 0 = c0 | c2 << 2 | c4 << 4 | c6 << 6 = 1 + 12 + 0 + 128 = 0x8D,
+    # byte 1 = c1 | c3 << 2 | c5 << 4 | c7 << 6 = 2 + 0 + 16 + 192 = 0xD2
+    assert pack_codes(torch.tensor([1, 2, 3, 0, 0, 1, 2, 3], dtype=u8), 2).tolist() == [0x8D, 0xD2]
     # 3 bits: codes 1..7, 0 at bits 3j: 1 + 2*8 + 3*64 + 4*512 + 5*4096 + 6*32768 + 7*262144 = 2054353
     # = 0x1F58D1, little-endian bytes D1 58 1F
     assert pack_codes(torch.tensor([1, 2, 3, 4, 5, 6, 7, 0], dtype=u8), 3).tolist() == [0xD1, 0x58, 0x1F]

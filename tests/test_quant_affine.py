@@ -31,7 +31,7 @@ def quantizer(family: str, bits: int, axis: str, tile: int, scale_dtype=torch.fl
 
 
 def stored_codes(packed: Packed, i: int, bits: int) -> list[list[int]]:
-    """Codes of tile i [R][C], unpacked by the reference bit-stream reader."""
+    """Codes of tile i [R][C], unpacked by the reference bit-by-bit reader."""
     return [unpack_row(row, bits) for row in packed["codes"][i].tolist()]
 
 

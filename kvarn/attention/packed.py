@@ -35,6 +35,10 @@ are overwritten and their value contributions added from the exact copies.
 Other quantizers (baselines) and keys stored before RoPE take the fallback: each chunk of tiles is decoded
 (`StoredKV.decode_tiles`) and multiplied like an exact segment, inside the same single softmax.
 
+Decode-like steps (few queries) on CPU over KVarN-orientation tiles take the fused C++ kernel instead
+(`kvarn.attention.fused`, `kvarn.kernels.cpu`): the same arithmetic from the codes in one online softmax, no unpacked
+chunk. KVARN_KERNEL=torch keeps everything on the PyTorch path below (the reference); prefill always uses it.
+
 Compute dtype: float32 (float64 for float64 queries). Dropout is not supported (inference only).
 """
 
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvarn.attention import fused
 from kvarn.attention.handoff import attach_observer, attach_past, observe, past_of, take  # noqa: F401 (re-exported)
 from kvarn.attention.view import StoredKV
 from kvarn.ops.hadamard import hadamard_matrix
@@ -57,14 +62,19 @@ LOGIT_CHUNK_ELEMENTS = 1 << 24  # logits per chunk of queries (long prefills on 
 _H: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _hadamard(x: torch.Tensor) -> torch.Tensor:
-    """x @ H along the last axis with the dense matrix of `ops.hadamard` (cached per size, dtype, device). Here x
-    is a query or an output, M x D with M small: one matmul beats the log2(D) butterfly stages on CPU."""
-    key = (x.shape[-1], x.dtype, x.device)
+def hadamard_for(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The dense matrix H [d, d] of `ops.hadamard`, cached per size, dtype and device."""
+    key = (d, dtype, torch.device(device))
     h = _H.get(key)
     if h is None:
-        h = _H[key] = hadamard_matrix(x.shape[-1], x.dtype, x.device)
-    return x @ h
+        h = _H[key] = hadamard_matrix(d, dtype, device)
+    return h
+
+
+def _hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x @ H along the last axis. Here x is a query or an output, M x D with M small: one matmul beats the log2(D)
+    butterfly stages on CPU."""
+    return x @ hadamard_for(x.shape[-1], x.dtype, x.device)
 
 
 @dataclass(frozen=True)
@@ -259,6 +269,21 @@ def _value_out(p: torch.Tensor, view: StoredKV | None, v_new: torch.Tensor, cd: 
     return out
 
 
+def _use_fused(query: torch.Tensor, past: KVarNPast | None) -> bool:
+    """Whether this step takes the fused kernel (kvarn.attention.fused; KVARN_KERNEL=torch never, =cpu always)."""
+    m = fused.mode()
+    if m == "torch" or past is None:
+        return False
+    why = fused.unsupported(query, past.keys, past.values)
+    if why is None and fused.kernel.available():
+        return True
+    if m == "cpu" and why != "no packed tiles":
+        from kvarn.kernels.cpu.build import error
+
+        raise RuntimeError(f"KVARN_KERNEL=cpu, but the fused kernel cannot serve this step: {why or error()}")
+    return False
+
+
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast | None,
                      attention_mask: torch.Tensor | None = None, scaling: float | None = None,
                      softcap: float | None = None) -> torch.Tensor:
@@ -277,6 +302,10 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     keys_view = past.keys if past is not None else None
     values_view = past.values if past is not None else None
     scale = d ** -0.5 if scaling is None else scaling
+    if _use_fused(query, past):
+        ok = None if attention_mask is None and length == 1 else allowed(attention_mask, b, length, kv_len,
+                                                                          query.device)
+        return fused.fused_attention(query, key, value, past.keys, past.values, ok, attention_mask, scale, softcap)
     ok = allowed(attention_mask, b, length, kv_len, query.device)
     add = _additive(attention_mask)
     # queries regrouped per KV head: row j*L + l of head kv is query head kv*g + j at position l

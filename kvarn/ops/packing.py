@@ -1,7 +1,10 @@
-"""Bit packing of integer codes along the last axis, low bits first.
+"""Bit packing of integer codes along the last axis, 8/b codes per byte, low bits first, in planes.
 
-For b in {1, 2, 4, 8}: 8/b codes per byte, code j of a byte occupies bits [j*b, (j+1)*b).
-For b = 3: groups of 8 codes are packed into 3 bytes (24 bits, code j at bits [3j, 3j+3)).
+For b in {1, 2, 4, 8}, a row of n codes takes m = n*b/8 bytes and per = 8/b codes per byte; byte j holds the codes
+j, j + m, j + 2m, ..., j + (per-1)m (plane k = codes [k*m, (k+1)*m)), code j + k*m at bits [k*b, (k+1)*b). So plane
+k of a whole row is (bytes >> k*b) & (2^b - 1): one shift and one mask per plane, with no interleaving, which is what
+lets a kernel unpack a row with plain vector shifts (hqq packs its rows the same way).
+For b = 3: groups of 8 consecutive codes are packed into 3 bytes (24 bits, code j at bits [3j, 3j+3)).
 The last axis must be a multiple of the codes per byte (per group of 8 for b = 3).
 """
 
@@ -44,10 +47,10 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
             word |= g[..., j] << (3 * j)
         out = torch.stack([(word >> (8 * k)) & 0xFF for k in range(3)], dim=-1)
         return out.to(torch.uint8).reshape(*lead, n * 3 // 8)
-    g = codes.reshape(*lead, n // per, per)
-    out = g[..., 0].clone()
-    for j in range(1, per):
-        out |= g[..., j] << (j * bits)
+    planes = codes.reshape(*lead, per, n // per)  # plane k = codes [k*m, (k+1)*m)
+    out = planes[..., 0, :].clone()
+    for k in range(1, per):
+        out |= planes[..., k, :] << (k * bits)
     return out
 
 
@@ -61,28 +64,29 @@ def _words_ok(packed: torch.Tensor, bits: int) -> bool:
 def unpack_codes(packed: torch.Tensor, bits: int, n: int | None = None,
                  dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """Inverse of `pack_codes`: packed uint8 [..., m] -> codes [..., m * 8 / bits] in `dtype` (uint8 by default;
-    a float dtype feeds a matmul directly, read 4 bytes at a time as one little-endian int32 word, where code j of
-    the word sits at bits [j*b, (j+1)*b): the same stream, fewer and wider shifts)."""
+    a float dtype feeds a matmul directly). Where the bytes can be read 4 at a time as little-endian int32 words,
+    plane k of 4 bytes is (word >> k*b) & (mask repeated in each byte): the same planes, fewer and wider ops."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
     m = packed.shape[-1]
     total = m * 8 // bits
     if n is not None and n != total:
         raise ValueError(f"{m} bytes of {bits}-bit codes hold {total} codes, not {n}")
-    _check(total, bits)
+    per = _check(total, bits)
     if bits == 8:
         return packed.to(dtype)
     lead = packed.shape[:-1]
     mask = (1 << bits) - 1
-    if dtype != torch.uint8 and _words_ok(packed, bits):
-        words = packed.view(torch.int32)  # [..., m/4]
-        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-        return ((words.unsqueeze(-1) >> shifts) & mask).reshape(*lead, total).to(dtype)
     if bits == 3:
         b = packed.reshape(*lead, m // 3, 3).to(torch.int32)
         word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
         out = torch.stack([(word >> (3 * j)) & mask for j in range(8)], dim=-1)
         return out.to(dtype).reshape(*lead, total)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    out = (packed.unsqueeze(-1) >> shifts) & mask
+    if _words_ok(packed, bits):
+        words = packed.view(torch.int32).unsqueeze(-2)  # [..., 1, m/4]
+        shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device).view(per, 1)
+        planes = (words >> shifts) & (mask * 0x01010101)  # [..., per, m/4], each byte one code of its plane
+        return planes.view(torch.uint8).reshape(*lead, total).to(dtype)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device).view(per, 1)
+    out = (packed.unsqueeze(-2) >> shifts) & mask  # [..., per, m]
     return out.reshape(*lead, total).to(dtype)

@@ -1,0 +1,128 @@
+"""The fused fast path of `packed_attention`: a stored past handed to the CPU kernel (kvarn.kernels.cpu).
+
+Taken for decode-like steps (at most `MAX_QUERIES` queries per head) on CPU tensors of float32/bf16/fp16 when both
+keys and values are AffineQuantizer tiles of the KVarN orientation (keys per channel, values per token, 1/2/4/8-bit
+codes, the same tile and region boundaries) with keys stored after RoPE. Everything else, and every step when
+KVARN_KERNEL=torch, takes the PyTorch path (the reference). KVARN_KERNEL=cpu refuses to fall back (an error names
+the reason), which is what the kernel tests use.
+
+The kernel gets the segments in position order: sink (dense) | tiles | tail (dense) | fresh keys (dense), one mask
+bias over all positions (None when everything is allowed), and the tiles kept exact as an (b, h, tile) -> row map:
+a key tile or a value tile kept exact makes that tile exact for both, the other kind decoded from its fields.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvarn.attention.view import StoredKV
+from kvarn.kernels.cpu import decode as kernel
+from kvarn.quant.affine import AffineQuantizer
+from kvarn.quant.base import Packed
+
+MAX_QUERIES = 16  # queries per head; longer chunks (prefill) take the matmul-based PyTorch path
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def mode() -> str:
+    m = os.environ.get("KVARN_KERNEL", "auto")
+    if m not in ("auto", "torch", "cpu"):
+        raise ValueError(f"KVARN_KERNEL must be 'auto', 'torch' or 'cpu', got {m!r}")
+    return m
+
+
+def unsupported(query: torch.Tensor, keys: StoredKV | None, values: StoredKV | None) -> str | None:
+    """Why the fused kernel cannot serve this step (None: it can)."""
+    if keys is None or values is None or not keys.n_tiles:
+        return "no packed tiles"
+    if query.device.type != "cpu" or query.dtype not in DTYPES:
+        return f"query on {query.device.type} in {query.dtype}"
+    if query.shape[2] > MAX_QUERIES:
+        return f"{query.shape[2]} queries per head (prefill): the matmul path is faster"
+    for what, v, axis in (("keys", keys, "channel"), ("values", values, "token")):
+        q = v.quantizer
+        if not isinstance(q, AffineQuantizer):
+            return f"{what} are not AffineQuantizer tiles"
+        if q.config.axis != axis:
+            return f"{what} quantized per {q.config.axis}"
+        if q.config.bits not in kernel.KERNEL_BITS:
+            return f"{what} have {q.config.bits}-bit codes"
+        if v.post is not None:
+            return f"{what} stored before RoPE"
+    if (keys.tile, keys.n_tiles, keys.sink_len) != (values.tile, values.n_tiles, values.sink_len):
+        return "keys and values have different tiles or regions"
+    return None
+
+
+def _tiles(view: StoredKV) -> kernel.PackedTiles:
+    c = view.quantizer.config
+    return kernel.PackedTiles.cache(view.packed.fields, c.bits, c.rotate)
+
+
+def _decoded(view: StoredKV, idx: torch.Tensor) -> torch.Tensor:
+    """Tiles (b, h, j) of idx [k, 3] as attention sees them, float32 [k, G, D] (exact copies where kept exact)."""
+    f = view.packed.fields
+    x = view.quantizer.decode(Packed({k: v[idx[:, 0], idx[:, 1], idx[:, 2]] for k, v in f.items()}), torch.float32)
+    if len(view.exact_index):
+        hit = (idx.unsqueeze(1) == view.exact_index.to(idx.device).unsqueeze(0)).all(-1)  # [k, n_exact]
+        row, col = hit.nonzero(as_tuple=True)
+        x[row] = view.exact_values[col].float()
+    return x
+
+
+def _exact(keys: StoredKV, values: StoredKV):
+    if not len(keys.exact_index) and not len(values.exact_index):
+        return None
+    idx = torch.cat([keys.exact_index, values.exact_index]).unique(dim=0)
+    b, h, _ = keys.shape_bhd
+    emap = torch.full((b, h, keys.n_tiles), -1, dtype=torch.int32)
+    emap[idx[:, 0], idx[:, 1], idx[:, 2]] = torch.arange(len(idx), dtype=torch.int32)
+    return emap, _decoded(keys, idx), _decoded(values, idx)
+
+
+def _bias(mask: torch.Tensor | None, ok: torch.Tensor | None) -> torch.Tensor | None:
+    """float32 [B or 1, 1 or Hq, L, T]: 0 or the additive mask where allowed, -inf elsewhere; None if all allowed
+    (ok None: a decode step without a mask)."""
+    if ok is None:
+        return None
+    add = mask if mask is not None and mask.dtype != torch.bool else None
+    if add is None and bool(ok.all()):
+        return None
+    base = add.float() if add is not None else torch.zeros(ok.shape)
+    return base.masked_fill(~ok, float("-inf"))
+
+
+_TABLES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _table(b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table of the cache layout (block_table[b, j] = j) and n_blocks, cached per (B, n)."""
+    t = _TABLES.get((b, n))
+    if t is None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        t = _TABLES[b, n] = (torch.arange(n, dtype=torch.int32).expand(b, n), torch.full((b,), n, dtype=torch.int32))
+    return t
+
+
+def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: StoredKV, values: StoredKV,
+                    ok: torch.Tensor | None, mask: torch.Tensor | None, scale: float,
+                    softcap: float | None) -> torch.Tensor:
+    """packed_attention's result [B, L, Hq, D] (query dtype) through the kernel; `ok` the boolean allowed mask
+    (`attention.packed.allowed`), None for a single query without a mask (everything allowed)."""
+    b = query.shape[0]
+    dense = []
+    if keys.sink_len:
+        dense.append((keys.sink_rows(torch.float32), values.sink_rows(torch.float32), 0))
+    tail_pos = keys.sink_len + keys.n_tiles * keys.tile
+    if keys.tail_len:
+        dense.append((keys.tail_rows(torch.float32), values.tail_rows(torch.float32), tail_pos))
+    dense.append((key.float(), value.float(), keys.length))
+    n = keys.n_tiles
+    table, count = _table(b, n)
+    out = kernel.decode_attention(query, _tiles(keys), _tiles(values), table, count, keys.tile, scaling=scale,
+                                  dense=dense, tiles_pos=keys.sink_len, bias=_bias(mask, ok), softcap=softcap,
+                                  exact=_exact(keys, values), validate=False)
+    return out.transpose(1, 2).to(query.dtype).contiguous()

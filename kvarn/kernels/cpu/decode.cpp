@@ -1,0 +1,579 @@
+// Fused decode attention over packed KVarN tiles (kvarn.kernels.cpu; the Python side documents the arithmetic).
+//
+// One work item = (batch row b, KV head h, context split s). It walks its tiles through the block table, computes the
+// logits of all M = groups * L query rows of the KV head straight from the 2/4-bit codes, keeps an online softmax
+// state (max, sum, two value accumulators: tiles stored rotated and plain), and the last split also walks the dense
+// segments (sink, tail, fresh tokens). The splits of a (b, h) are then combined exactly:
+//     m* = max_s m_s,  l = sum_s exp(m_s - m*) l_s,  acc = sum_s exp(m_s - m*) acc_s,  out = acc / l  (0 if l = 0).
+//
+// Codes of a row are packed in planes (kvarn/ops/packing.py): byte j of a row of C codes holds codes j + k * C/per,
+// k < per = 8/bits, so one load of W bytes and `per` shifts give W consecutive codes of each plane.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+template <int W>
+struct Vec {
+  typedef float f __attribute__((vector_size(W * 4)));
+  typedef int32_t i __attribute__((vector_size(W * 4)));
+  typedef uint8_t u8 __attribute__((vector_size(W)));
+};
+
+// W bytes widened to W int32 lanes (one instruction with AVX-512 / AVX2; the generic form is scalarized by gcc)
+template <int W>
+inline typename Vec<W>::i load_u8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  if constexpr (W == 16) return (typename Vec<W>::i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#endif
+#if defined(__AVX2__)
+  if constexpr (W == 8) return (typename Vec<W>::i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#endif
+  typename Vec<W>::u8 bytes;
+  std::memcpy(&bytes, p, W);
+  return __builtin_convertvector(bytes, typename Vec<W>::i);
+}
+
+// out[m][c] = sum_r w[m][r] * code[r][c] for MB rows m; codes [R][C*BITS/8] in planes, W bytes per step.
+template <int W, int BITS, int MB>
+void codes_mm_vec(const uint8_t* codes, int R, int C, const float* w, int ws, float* out, int os) {
+  constexpr int PER = 8 / BITS;
+  constexpr int MASK = (1 << BITS) - 1;
+  using vf = typename Vec<W>::f;
+  using vi = typename Vec<W>::i;
+  const int mb = C / PER;  // bytes per row = codes per plane
+  for (int j0 = 0; j0 < mb; j0 += W) {
+    vf acc[MB][PER];
+    for (int m = 0; m < MB; ++m)
+      for (int k = 0; k < PER; ++k) acc[m][k] = vf{};
+    const uint8_t* p = codes + j0;
+    for (int r = 0; r < R; ++r, p += mb) {
+      const vi x = load_u8<W>(p);
+      vf plane[PER];
+      for (int k = 0; k < PER; ++k) plane[k] = __builtin_convertvector((x >> (k * BITS)) & MASK, vf);
+      for (int m = 0; m < MB; ++m) {
+        const float wm = w[m * ws + r];
+        for (int k = 0; k < PER; ++k) acc[m][k] += wm * plane[k];
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int k = 0; k < PER; ++k) std::memcpy(out + m * os + k * mb + j0, &acc[m][k], W * 4);
+  }
+}
+
+// The same product, one code at a time (rows whose byte count is not a multiple of 8).
+template <int BITS>
+void codes_mm_scalar(const uint8_t* codes, int R, int C, const float* w, int ws, int M, float* out, int os) {
+  constexpr int PER = 8 / BITS;
+  constexpr int MASK = (1 << BITS) - 1;
+  const int mb = C / PER;
+  for (int m = 0; m < M; ++m) std::fill(out + m * os, out + m * os + C, 0.f);
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < PER; ++k)
+      for (int j = 0; j < mb; ++j) {
+        const float c = static_cast<float>((codes[r * mb + j] >> (k * BITS)) & MASK);
+        for (int m = 0; m < M; ++m) out[m * os + k * mb + j] += w[m * ws + r] * c;
+      }
+}
+
+template <int W, int BITS>
+void codes_mm_rows(const uint8_t* codes, int R, int C, const float* w, int ws, int M, float* out, int os) {
+  for (int m0 = 0; m0 < M; m0 += 4) {
+    const float* wm = w + m0 * ws;
+    float* om = out + m0 * os;
+    switch (std::min(4, M - m0)) {
+      case 1: codes_mm_vec<W, BITS, 1>(codes, R, C, wm, ws, om, os); break;
+      case 2: codes_mm_vec<W, BITS, 2>(codes, R, C, wm, ws, om, os); break;
+      case 3: codes_mm_vec<W, BITS, 3>(codes, R, C, wm, ws, om, os); break;
+      default: codes_mm_vec<W, BITS, 4>(codes, R, C, wm, ws, om, os); break;
+    }
+  }
+}
+
+template <int BITS>
+void codes_mm_bits(const uint8_t* codes, int R, int C, const float* w, int ws, int M, float* out, int os) {
+  const int mb = C * BITS / 8;
+  if (mb % 16 == 0) codes_mm_rows<16, BITS>(codes, R, C, w, ws, M, out, os);
+  else if (mb % 8 == 0) codes_mm_rows<8, BITS>(codes, R, C, w, ws, M, out, os);
+  else codes_mm_scalar<BITS>(codes, R, C, w, ws, M, out, os);
+}
+
+// out [M][C] = w [M][R] @ codes [R][C]
+void codes_mm(int bits, const uint8_t* codes, int R, int C, const float* w, int ws, int M, float* out, int os) {
+  switch (bits) {
+    case 1: codes_mm_bits<1>(codes, R, C, w, ws, M, out, os); break;
+    case 2: codes_mm_bits<2>(codes, R, C, w, ws, M, out, os); break;
+    case 4: codes_mm_bits<4>(codes, R, C, w, ws, M, out, os); break;
+    default: codes_mm_bits<8>(codes, R, C, w, ws, M, out, os); break;
+  }
+}
+
+// s[i] <- exp(s[i] - mx), returns the sum. exp by range reduction: x = n ln2 + r, |r| <= ln2/2, e^r by its Taylor
+// polynomial of degree 7 (relative error < 1e-8, below float32 rounding), 2^n through the exponent bits; x < -87
+// (and -inf) gives exactly 0, NaN stays NaN.
+float exp_shifted(float* s, int n, float mx) {
+  constexpr int W = 16;
+  using vf = Vec<W>::f;
+  using vi = Vec<W>::i;
+  vf total = vf{};
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    vf x;
+    std::memcpy(&x, s + i, sizeof(vf));
+    x -= mx;
+    const vi dead = x < -87.0f;
+    vf t = x * 1.44269504088896341f + 12582912.0f;  // round(x / ln2) by the 1.5 * 2^23 trick
+    const vf nf = t - 12582912.0f;
+    vf r = x - nf * 0.693145751953125f - nf * 1.42860682030941723212e-6f;  // ln2 split in two
+    vf p = vf{} + 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const vi ni = __builtin_convertvector(nf, vi);
+    const vf y0 = p * (vf)((ni + 127) << 23);  // GCC vector casts reinterpret the bits
+    const vf y = (vf)((vi)y0 & ~dead);
+    std::memcpy(s + i, &y, sizeof(vf));
+    total += y;
+  }
+  float sum = 0.f;
+  for (int k = 0; k < W; ++k) sum += total[k];
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  return sum;
+}
+
+const float* e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) {
+      c10::Float8_e4m3fn x;
+      x.x = static_cast<uint8_t>(i);
+      t[i] = static_cast<float>(x);
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// Scale fields come as fp32, fp16, bf16 or fp8 e4m3fn; read into float32.
+struct Field {
+  const char* base = nullptr;
+  c10::ScalarType dtype = c10::ScalarType::Byte;
+  int64_t item = 1, sb = 0, sh = 0, sn = 0;  // element size; strides (elements) of batch, head, block
+  bool present() const { return base != nullptr; }
+  const char* at(int64_t b, int64_t h, int64_t blk) const { return base + (b * sb + h * sh + blk * sn) * item; }
+  void floats(int64_t b, int64_t h, int64_t blk, int n, float* out) const {
+    const char* p = at(b, h, blk);
+    switch (dtype) {
+      case c10::ScalarType::Float: std::memcpy(out, p, n * 4); break;
+      case c10::ScalarType::Half: {
+        auto q = reinterpret_cast<const uint16_t*>(p);
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16)
+          _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i))));
+#elif defined(__F16C__)
+        for (; i + 8 <= n; i += 8)
+          _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+#endif
+        for (; i < n; ++i) out[i] = c10::detail::fp16_ieee_to_fp32_value(q[i]);
+        break;
+      }
+      case c10::ScalarType::BFloat16: {
+        auto q = reinterpret_cast<const uint16_t*>(p);
+        auto o = reinterpret_cast<uint32_t*>(out);
+        for (int i = 0; i < n; ++i) o[i] = static_cast<uint32_t>(q[i]) << 16;  // bf16 = the top half of a float
+        break;
+      }
+      default: {
+        const float* lut = e4m3_table();
+        auto q = reinterpret_cast<const uint8_t*>(p);
+        for (int i = 0; i < n; ++i) out[i] = lut[q[i]];
+      }
+    }
+  }
+};
+
+Field make_field(const at::Tensor& t, const std::vector<int64_t>& strides, int which) {
+  Field f;
+  if (!t.defined() || t.numel() == 0) return f;
+  f.base = static_cast<const char*>(t.data_ptr());
+  f.dtype = t.scalar_type();
+  f.item = t.element_size();
+  f.sb = strides[3 * which];
+  f.sh = strides[3 * which + 1];
+  f.sn = strides[3 * which + 2];
+  return f;
+}
+
+struct Kind {  // packed fields of keys or values: codes, row scale, row zero, col scale, rotated flag
+  Field codes, a, z, col, rot;
+  int bits, rotate;  // rotate: 0 none, 1 hadamard, 2 per-tile flag
+  bool rotated(int64_t b, int64_t h, int64_t blk) const {
+    return rotate == 1 || (rotate == 2 && *reinterpret_cast<const uint8_t*>(rot.at(b, h, blk)) != 0);
+  }
+};
+
+Kind make_kind(const std::vector<at::Tensor>& f, const std::vector<int64_t>& s, int64_t bits, int64_t rotate) {
+  TORCH_CHECK(f.size() == 5 && s.size() == 15, "kvarn decode: 5 packed fields and 15 strides per kind");
+  Kind k;
+  k.codes = make_field(f[0], s, 0);
+  k.a = make_field(f[1], s, 1);
+  k.z = make_field(f[2], s, 2);
+  k.col = make_field(f[3], s, 3);
+  k.rot = make_field(f[4], s, 4);
+  k.bits = static_cast<int>(bits);
+  k.rotate = static_cast<int>(rotate);
+  TORCH_CHECK(k.rotate != 2 || k.rot.present(), "kvarn decode: rotate='auto' needs the rotated flags");
+  return k;
+}
+
+struct State {  // online softmax of the M rows of one work item
+  int M, D;
+  std::vector<float> mx, l, acc_p, acc_r;
+  State(int M_, int D_) : M(M_), D(D_), mx(M_, NEG_INF), l(M_, 0.f), acc_p(M_ * D_, 0.f), acc_r(M_ * D_, 0.f) {}
+
+  // s [M][n] logits (masked = -inf) -> probabilities relative to the new running max; rescales the past.
+  void update(float* s, int ss, int n) {
+    for (int m = 0; m < M; ++m) {
+      float* row = s + m * ss;
+      float mt = NEG_INF;
+#pragma omp simd reduction(max : mt)
+      for (int i = 0; i < n; ++i) mt = std::max(mt, row[i]);  // a NaN logit reaches l (and the output) anyway
+      const float mn = std::max(mx[m], mt);
+      if (mn == NEG_INF) {  // nothing allowed so far; a NaN logit (also one the vector max skipped) makes l NaN
+        bool nan = false;
+        for (int i = 0; i < n; ++i) nan |= std::isnan(row[i]);
+        if (nan) l[m] = std::numeric_limits<float>::quiet_NaN();
+        std::fill(row, row + n, 0.f);
+        continue;
+      }
+      const float alpha = std::exp(mx[m] - mn);
+      if (alpha != 1.f) {
+        l[m] *= alpha;
+        for (int d = 0; d < D; ++d) {
+          acc_p[m * D + d] *= alpha;
+          acc_r[m * D + d] *= alpha;
+        }
+      }
+      l[m] += exp_shifted(row, n, mn);
+      mx[m] = mn;
+    }
+  }
+};
+
+struct Job {
+  int64_t B, H, M, D, G, L, groups, T;
+  const float *q, *qh, *hmat;
+  float scale;
+  Kind keys, values;
+  const int32_t* bt;
+  int64_t bt_stride;
+  const int32_t* nb;
+  const int32_t* emap;
+  int64_t emap_blocks;
+  const float *ek, *ev;
+  std::vector<at::Tensor> dk, dv;
+  std::vector<int64_t> dpos;
+  int64_t tiles_pos;
+  const float* bias;
+  int64_t bs0, bs1, bs2, bheads;
+  float softcap;
+};
+
+// softcap and mask on logits s [M][n] at positions pos.. of the bias row
+void finish_logits(const Job& J, int64_t b, int64_t h, float* s, int ss, int n, int64_t pos) {
+  for (int m = 0; m < J.M; ++m) {
+    float* row = s + m * ss;
+    if (J.softcap > 0.f)
+      for (int i = 0; i < n; ++i) row[i] = std::tanh(row[i] / J.softcap) * J.softcap;
+    if (J.bias != nullptr) {
+      const int64_t head = J.bheads == 1 ? 0 : h * J.groups + m / J.L;
+      const float* br = J.bias + b * J.bs0 + head * J.bs1 + (m % J.L) * J.bs2 + pos;
+      for (int i = 0; i < n; ++i) row[i] = br[i] == NEG_INF ? NEG_INF : row[i] + br[i];
+    }
+  }
+}
+
+// Dense rows K, V (row strides ks, vs) at positions pos.., plain basis, in chunks of the logit buffer.
+void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, const float* K, int64_t ks,
+                const float* V, int64_t vs, int64_t n, int64_t pos, float* s, int ss) {
+  const int M = J.M, D = J.D;
+  for (int64_t c0 = 0; c0 < n; c0 += ss) {
+    const int cn = static_cast<int>(std::min<int64_t>(ss, n - c0));
+    for (int i = 0; i < cn; ++i) {
+      const float* k = K + (c0 + i) * ks;
+      for (int m = 0; m < M; ++m) {
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int d = 0;
+        for (; d + 8 <= D; d += 8)
+          for (int e = 0; e < 8; ++e) part[e] += q[m * D + d + e] * k[d + e];
+        float dot = 0.f;
+        for (int e = 0; e < 8; ++e) dot += part[e];
+        for (; d < D; ++d) dot += q[m * D + d] * k[d];
+        s[m * ss + i] = dot;
+      }
+    }
+    finish_logits(J, b, h, s, ss, cn, pos + c0);
+    st.update(s, ss, cn);
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < cn; ++i) {
+        const float p = s[m * ss + i];
+        if (p == 0.f) continue;
+        const float* v = V + (c0 + i) * vs;
+        float* acc = st.acc_p.data() + m * D;
+        for (int d = 0; d < D; ++d) acc[d] += p * v[d];
+      }
+  }
+}
+
+// out [M][D] = x [M][D] @ H [D][D]
+void matmul_h(const float* x, const float* hm, int64_t M, int64_t D, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* o = out + m * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t k = 0; k < D; ++k) {
+      const float xv = x[m * D + k];
+      const float* hr = hm + k * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += xv * hr[d];
+    }
+  }
+}
+
+// One packed tile: keys per channel (codes [D][G]), values per token (codes [G][D]).
+struct Scratch {
+  std::vector<float> s, w, t, a, z, col, pz;
+  Scratch(int M, int D, int G, int ss) : s(M * ss), w(M * std::max(D, G)), t(M * D), a(std::max(D, G)),
+                                         z(std::max(D, G)), col(std::max(D, G)), pz(M) {}
+};
+
+void packed_tile(const Job& J, int64_t b, int64_t h, int64_t blk, State& st, Scratch& sc, int64_t pos,
+                 const float* qp, const float* qr) {
+  const int M = J.M, D = J.D, G = J.G;
+  const int ss = static_cast<int>(sc.s.size() / M);
+  float* s = sc.s.data();
+  // keys: logit_g = t_g (sum_d (q~_d a_d) code[d, g] + sum_d q~_d z_d)
+  const Kind& K = J.keys;
+  const float* q = K.rotated(b, h, blk) ? qr : qp;
+  K.a.floats(b, h, blk, D, sc.a.data());
+  K.z.floats(b, h, blk, D, sc.z.data());
+  std::vector<float>& c0 = sc.t;  // M values, reused
+  for (int m = 0; m < M; ++m) {
+    float zsum = 0.f;
+#pragma omp simd reduction(+ : zsum)
+    for (int d = 0; d < D; ++d) {
+      sc.w[m * D + d] = q[m * D + d] * sc.a[d];
+      zsum += q[m * D + d] * sc.z[d];
+    }
+    c0[m] = zsum;
+  }
+  codes_mm(K.bits, reinterpret_cast<const uint8_t*>(K.codes.at(b, h, blk)), D, G, sc.w.data(), D, M, s, ss);
+  if (K.col.present()) K.col.floats(b, h, blk, G, sc.col.data());
+  for (int m = 0; m < M; ++m) {
+    float* row = s + m * ss;
+    const float zc = c0[m];
+    if (K.col.present())
+      for (int g = 0; g < G; ++g) row[g] = (row[g] + zc) * sc.col[g];
+    else
+      for (int g = 0; g < G; ++g) row[g] += zc;
+  }
+  finish_logits(J, b, h, s, ss, G, pos);
+  st.update(s, ss, G);
+  // values: o~_d += c_d (sum_g (p_g a_g) code[g, d] + sum_g p_g z_g)
+  const Kind& V = J.values;
+  V.a.floats(b, h, blk, G, sc.a.data());
+  V.z.floats(b, h, blk, G, sc.z.data());
+  float* pz = sc.pz.data();
+  for (int m = 0; m < M; ++m) {
+    float zs = 0.f;
+#pragma omp simd reduction(+ : zs)
+    for (int g = 0; g < G; ++g) {
+      sc.w[m * G + g] = s[m * ss + g] * sc.a[g];
+      zs += s[m * ss + g] * sc.z[g];
+    }
+    pz[m] = zs;
+  }
+  codes_mm(V.bits, reinterpret_cast<const uint8_t*>(V.codes.at(b, h, blk)), G, D, sc.w.data(), G, M, sc.t.data(), D);
+  const bool vc = V.col.present();
+  if (vc) V.col.floats(b, h, blk, D, sc.col.data());
+  float* acc = V.rotated(b, h, blk) ? st.acc_r.data() : st.acc_p.data();
+  for (int m = 0; m < M; ++m) {
+    const float* t = sc.t.data() + m * D;
+    float* o = acc + m * D;
+    if (vc)
+      for (int d = 0; d < D; ++d) o[d] += (t[d] + pz[m]) * sc.col[d];
+    else
+      for (int d = 0; d < D; ++d) o[d] += t[d] + pz[m];
+  }
+}
+
+}  // namespace
+
+std::vector<at::Tensor> decode_attention(
+    const at::Tensor& q, const at::Tensor& qh, const at::Tensor& hmat, double scale, const std::vector<at::Tensor>& kf, const std::vector<int64_t>& ks,
+    int64_t k_bits, int64_t k_rotate, const std::vector<at::Tensor>& vf, const std::vector<int64_t>& vs,
+    int64_t v_bits, int64_t v_rotate, const at::Tensor& block_table, const at::Tensor& n_blocks, int64_t tile,
+    const at::Tensor& exact_map, const at::Tensor& exact_k, const at::Tensor& exact_v,
+    const std::vector<at::Tensor>& dense_k, const std::vector<at::Tensor>& dense_v,
+    const std::vector<int64_t>& dense_pos, int64_t tiles_pos, const at::Tensor& bias, int64_t L, double softcap,
+    int64_t splits) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "kvarn decode: q float32 [B,H,M,D]");
+  Job J;
+  J.B = q.size(0);
+  J.H = q.size(1);
+  J.M = q.size(2);
+  J.D = q.size(3);
+  J.G = tile;
+  J.L = L;
+  TORCH_CHECK(L > 0 && J.M % L == 0, "kvarn decode: M query rows per KV head must be groups * L");
+  J.groups = J.M / L;
+  J.q = q.data_ptr<float>();
+  J.qh = qh.numel() ? qh.data_ptr<float>() : nullptr;
+  J.hmat = hmat.numel() ? hmat.data_ptr<float>() : nullptr;
+  J.scale = static_cast<float>(scale);
+  TORCH_CHECK(!J.hmat || (hmat.scalar_type() == at::kFloat && hmat.is_contiguous() && hmat.numel() == J.D * J.D),
+              "kvarn decode: H must be float32 [D, D]");
+  J.keys = make_kind(kf, ks, k_bits, k_rotate);
+  J.values = make_kind(vf, vs, v_bits, v_rotate);
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && n_blocks.scalar_type() == at::kInt, "kvarn decode: int32 tables");
+  J.bt = block_table.data_ptr<int32_t>();
+  J.bt_stride = block_table.stride(0);
+  J.nb = n_blocks.data_ptr<int32_t>();
+  J.emap = exact_map.numel() ? exact_map.data_ptr<int32_t>() : nullptr;
+  J.emap_blocks = exact_map.numel() ? exact_map.size(2) : 0;
+  J.ek = exact_k.numel() ? exact_k.data_ptr<float>() : nullptr;
+  J.ev = exact_v.numel() ? exact_v.data_ptr<float>() : nullptr;
+  J.dk = dense_k;
+  J.dv = dense_v;
+  J.dpos = dense_pos;
+  J.tiles_pos = tiles_pos;
+  J.bias = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  if (J.bias) {
+    J.bs0 = bias.stride(0);
+    J.bs1 = bias.stride(1);
+    J.bs2 = bias.stride(2);
+    J.bheads = bias.size(1);
+  }
+  J.softcap = static_cast<float>(softcap);
+  const int64_t S = std::max<int64_t>(1, splits);
+  const int64_t B = J.B, H = J.H, M = J.M, D = J.D;
+  auto opts = q.options();
+  at::Tensor smx = at::empty({B, H, S, M}, opts), sl = at::empty({B, H, S, M}, opts);
+  at::Tensor sp = at::empty({B, H, S, M, D}, opts), sr = at::empty({B, H, S, M, D}, opts);
+  float *pmx = smx.data_ptr<float>(), *pl = sl.data_ptr<float>(), *pp = sp.data_ptr<float>(),
+        *pr = sr.data_ptr<float>();
+  const int ss = static_cast<int>(std::max<int64_t>(J.G, 128));
+
+  at::parallel_for(0, B * H * S, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc(static_cast<int>(M), static_cast<int>(D), static_cast<int>(J.G), ss);
+    std::vector<float> qbuf(2 * M * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (H * S), h = item / S % H, s = item % S;
+      State st(static_cast<int>(M), static_cast<int>(D));
+      // the item's queries: scaled, and in the rotated basis (q~ = q H) when H is given, else the caller's qh
+      const float* qin = J.q + (b * H + h) * M * D;
+      for (int64_t i = 0; i < M * D; ++i) qbuf[i] = qin[i] * J.scale;
+      const float* qp = qbuf.data();
+      const float* qr = J.qh ? J.qh + (b * H + h) * M * D : qp;
+      if (J.hmat) {
+        matmul_h(qp, J.hmat, M, D, qbuf.data() + M * D);
+        qr = qbuf.data() + M * D;
+      }
+      const int64_t nb = J.nb[b];
+      const int64_t j0 = nb * s / S, j1 = nb * (s + 1) / S;
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t pos = J.tiles_pos + j * J.G;
+        const int32_t e = J.emap ? J.emap[(b * H + h) * J.emap_blocks + j] : -1;
+        if (e >= 0) {  // kept exact (non-finite input): its exact copy, in the plain basis
+          dense_rows(J, b, h, st, qp, J.ek + e * J.G * D, D, J.ev + e * J.G * D, D, J.G, pos, sc.s.data(), ss);
+        } else {
+          packed_tile(J, b, h, J.bt[b * J.bt_stride + j], st, sc, pos, qp, qr);
+        }
+      }
+      if (s == S - 1) {
+        for (size_t i = 0; i < J.dk.size(); ++i) {
+          const at::Tensor &k = J.dk[i], &v = J.dv[i];
+          const float* kp = k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1);
+          const float* vp = v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1);
+          dense_rows(J, b, h, st, qp, kp, k.stride(2), vp, v.stride(2), k.size(2), J.dpos[i], sc.s.data(), ss);
+        }
+      }
+      std::memcpy(pmx + item * M, st.mx.data(), M * 4);
+      std::memcpy(pl + item * M, st.l.data(), M * 4);
+      std::memcpy(pp + item * M * D, st.acc_p.data(), M * D * 4);
+      std::memcpy(pr + item * M * D, st.acc_r.data(), M * D * 4);
+    }
+  });
+
+  at::Tensor out_p = at::empty({B, H, M, D}, opts), out_r = at::empty({B, H, M, D}, opts);
+  float *op = out_p.data_ptr<float>(), *orr = out_r.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh)
+      for (int64_t m = 0; m < M; ++m) {
+        float top = NEG_INF;
+        for (int64_t s = 0; s < S; ++s) top = std::max(top, pmx[(bh * S + s) * M + m]);
+        float* o1 = op + (bh * M + m) * D;
+        float* o2 = orr + (bh * M + m) * D;
+        std::fill(o1, o1 + D, 0.f);
+        std::fill(o2, o2 + D, 0.f);
+        if (top == NEG_INF) {  // a fully masked row gives 0, as SDPA does (NaN if a NaN logit was met)
+          bool nan = false;
+          for (int64_t s = 0; s < S; ++s) nan |= std::isnan(pl[(bh * S + s) * M + m]);
+          if (nan) std::fill(o1, o1 + D, std::numeric_limits<float>::quiet_NaN());
+          continue;
+        }
+        float total = 0.f;
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t at = (bh * S + s) * M + m;
+          if (pmx[at] == NEG_INF) continue;
+          const float w = std::exp(pmx[at] - top);
+          total += w * pl[at];
+          for (int64_t d = 0; d < D; ++d) {
+            o1[d] += w * pp[at * D + d];
+            o2[d] += w * pr[at * D + d];
+          }
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) {
+          o1[d] *= inv;
+          o2[d] *= inv;
+        }
+      }
+    if (J.hmat) {  // out = plain + rotated H, once per row
+      std::vector<float> tmp(D);
+      for (int64_t r = begin * M; r < end * M; ++r) {
+        matmul_h(orr + r * D, J.hmat, 1, D, tmp.data());
+        for (int64_t d = 0; d < D; ++d) op[r * D + d] += tmp[d];
+      }
+    }
+  });
+  if (J.hmat) return {out_p, at::Tensor()};
+  return {out_p, out_r};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "fused decode attention over packed KVarN tiles");
+}

@@ -1,0 +1,98 @@
+"""Micro-benchmark of one decode step of attention over one layer (not a test; `kvarn bench attention` is the tool).
+
+    python -m kvarn.kernels.cpu.microbench [--contexts 1024 8192] [--threads 1 2] [--repeats 15]
+
+For each shape (the embedded model: 9 query / 3 KV heads, head_dim 64; a Qwen3-4B-like layer: 32 / 8, head_dim 128),
+context and thread count, batch 1, times side by side in one process, interleaved, median of `repeats` rounds of
+`inner` calls each: the fused kernel through `packed_attention` (kvarn-k2v2-g128 past: 128 sink tokens, tiles, a
+tail), the PyTorch packed path (KVARN_KERNEL=torch), and SDPA over dense fp32 and bf16 K/V of the same length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+SHAPES = {"embedded (9q/3kv, d64)": (9, 3, 64), "qwen3-4b-like (32q/8kv, d128)": (32, 8, 128)}
+
+
+def _past(hkv: int, d: int, t: int, preset: str, gen: torch.Generator):
+    from kvarn.attention.packed import KVarNPast
+    from kvarn.attention.view import StoredKV
+    from kvarn.cache.store import LayerStore
+
+    st = LayerStore(preset, d)
+    k, v = torch.randn(1, hkv, t, d, generator=gen), torch.randn(1, hkv, t, d, generator=gen)
+    st.append(k, v)
+    return KVarNPast(StoredKV.of(st.keys), StoredKV.of(st.values)), k, v
+
+
+def _time(fn, inner: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner * 1e3
+
+
+def _cases(q, kn, vn, past, kd, vd) -> dict:
+    from kvarn.attention.packed import packed_attention
+
+    kb, vb, qb = kd.bfloat16(), vd.bfloat16(), q.bfloat16()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fused():
+        os.environ["KVARN_KERNEL"] = "cpu"
+        packed_attention(q, kn, vn, past)
+
+    def torch_path():
+        os.environ["KVARN_KERNEL"] = "torch"
+        packed_attention(q, kn, vn, past)
+
+    return {"fused": fused, "torch packed": torch_path, "sdpa fp32": lambda: sdpa(q, kd, vd, enable_gqa=True),
+            "sdpa bf16": lambda: sdpa(qb, kb, vb, enable_gqa=True)}
+
+
+def run(contexts: list[int], threads: list[int], repeats: int, preset: str) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, (hq, hkv, d) in SHAPES.items():
+        for t in contexts:
+            past, k, v = _past(hkv, d, t - 1, preset, gen)
+            q = torch.randn(1, hq, 1, d, generator=gen)
+            kn, vn = torch.randn(1, hkv, 1, d, generator=gen), torch.randn(1, hkv, 1, d, generator=gen)
+            kd, vd = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
+            cases = _cases(q, kn, vn, past, kd, vd)
+            for nt in threads:
+                torch.set_num_threads(nt)
+                for fn in cases.values():  # warm up (and build the kernel)
+                    fn()
+                inner = max(3, int(2e-3 / max(1e-5, _time(cases["fused"], 3) / 1e3)))
+                times = {c: [] for c in cases}
+                for _ in range(repeats):
+                    for c, fn in cases.items():
+                        times[c].append(_time(fn, inner))
+                med = {c: statistics.median(x) for c, x in times.items()}
+                rows.append({"shape": name, "context": t, "threads": nt, **med})
+                print(f"{name:30s} T={t:6d} threads={nt}  " + "  ".join(f"{c} {m:.3f} ms" for c, m in med.items())
+                      + f"  fused/sdpa32 {med['fused'] / med['sdpa fp32']:.2f}x"
+                      + f"  fused/sdpa bf16 {med['fused'] / med['sdpa bf16']:.2f}x", flush=True)
+    os.environ.pop("KVARN_KERNEL", None)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--preset", default="kvarn-k2v2-g128")
+    a = ap.parse_args()
+    run(a.contexts, a.threads, a.repeats, a.preset)
+
+
+if __name__ == "__main__":
+    main()
