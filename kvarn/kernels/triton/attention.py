@@ -13,12 +13,15 @@ kind is rotated); o = out_rot H + out_plain.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvarn.attention.packed import KVarNPast
-from kvarn.attention.view import StoredKV
 from kvarn.kernels.triton.ops import Precision, TileFields, decode_attention, hadamard_f32
+
+if TYPE_CHECKING:  # not imported at run time: kvarn.attention needs transformers, the vLLM path does not
+    from kvarn.attention.packed import KVarNPast
+    from kvarn.attention.view import StoredKV
 
 Exact = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 

@@ -32,6 +32,7 @@ Layout = Literal["cache", "pool"]
 Precision = Literal["ieee", "tf32"]
 ROTATE_MODE = {"none": 0, "hadamard": 1, "auto": 2}
 SUPPORTED_BITS = (2, 4)
+NUM_WARPS = 8  # a program holds [D, G] float32 code tiles (64 KiB at D = G = 128): 8 warps keep them in registers
 
 # A partial softmax state over some keys, for M query rows: running max m [B, H, k, M], sum l [B, H, k, M],
 # unnormalized outputs acc_rot / acc_plain [B, H, k, M, D] (acc_rot None: nothing rotated).
@@ -213,7 +214,7 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
         m_part, l_part, acc_r, acc_p, h, s, bps,
         MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=ROTATE_MODE[keys.rotate],
         VROT=ROTATE_MODE[values.rotate], KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
-        PLANES=code_layout(), PREC=1 if precision == "tf32" else 0,
+        PLANES=code_layout(), PREC=1 if precision == "tf32" else 0, num_warps=NUM_WARPS,
     )
     return m_part[..., :m], l_part[..., :m], acc_r[..., :m, :], acc_p[..., :m, :]
 
@@ -291,6 +292,7 @@ def _launch_store(x: torch.Tensor, quantizer: AffineQuantizer, out: TileFields, 
         x, x.stride(0), x.stride(1), x.stride(2), dst, fl, hm, *out.all_args(), h,
         D=d, G=g, R=d if channel else g, C=g if channel else d, BITS=c.bits, AXIS_CHANNEL=channel, ROT=rot,
         VARN=c.varn, ITERS=c.varn_iters, WRITE_FLAG=out.rotated is not None, PLANES=code_layout(),
+        num_warps=NUM_WARPS,
     )
 
 

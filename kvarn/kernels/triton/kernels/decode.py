@@ -44,8 +44,8 @@ def decode_split_kernel(
 ):
     pid = tl.program_id(0)
     s = tl.program_id(1)
-    b = pid // H
-    h = pid % H
+    b = (pid // H).to(tl.int64)  # 64-bit offsets: a cache-layout field can pass 2^31 bytes
+    h = (pid % H).to(tl.int64)
     nb = tl.load(nb_ptr + b)
     j0 = s * BPS
     j1 = tl.minimum(j0 + BPS, nb)

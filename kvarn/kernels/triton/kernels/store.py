@@ -19,12 +19,12 @@ import triton
 import triton.language as tl
 from kvarn.kernels.triton.kernels.codes import pack_codes
 
-STD_LO: tl.constexpr = 1e-3
-STD_HI: tl.constexpr = 1e3
-LOG_LO: tl.constexpr = -0.3
-LOG_HI: tl.constexpr = 10.0
-IMB_FLOOR: tl.constexpr = 1e-8
-RANGE_GUARD: tl.constexpr = 1e-10
+STD_LO = tl.constexpr(1e-3)
+STD_HI = tl.constexpr(1e3)
+LOG_LO = tl.constexpr(-0.3)
+LOG_HI = tl.constexpr(10.0)
+IMB_FLOOR = tl.constexpr(1e-8)
+RANGE_GUARD = tl.constexpr(1e-10)  # globals read by @jit code must be tl.constexpr instances (ops.varn, ops.rtn)
 
 
 @triton.jit
@@ -68,8 +68,8 @@ def store_tiles_kernel(
     WRITE_FLAG: tl.constexpr, PLANES: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    n = pid // H
-    h = pid % H
+    n = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
     rg = tl.arange(0, G)
     rd = tl.arange(0, D)
     x = tl.load(x_ptr + n * sx_n + h * sx_h + rg[:, None] * sx_g + rd[None, :]).to(tl.float32)  # [G, D]
