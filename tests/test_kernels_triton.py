@@ -47,6 +47,24 @@ def test_codes_match_packing_module(bits):
     assert torch.equal(ops.pack(codes, bits), packed)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_planes_layout(bits):
+    """The planes layout (byte k of a row holds codes k + j*C/PER, j at bits [j*b, (j+1)*b)), which kvarn.ops.packing
+    may switch to (issue 10): the kernels' branch for it round-trips and matches that definition written plainly."""
+    from kvarn.kernels.triton.kernels.codes import pack_kernel, unpack_kernel
+
+    gen = torch.Generator().manual_seed(10 + bits)
+    n, r, c, per = 2, 16, 64, 8 // bits
+    codes = torch.randint(0, 1 << bits, (n, r, c), generator=gen, dtype=torch.int32)
+    planes = sum(codes[..., j * (c // per):(j + 1) * (c // per)] << (j * bits) for j in range(per)).to(torch.uint8)
+    packed = torch.empty(n, r, c * bits // 8, dtype=torch.uint8)
+    pack_kernel[(n,)](codes, packed, R=r, C=c, BITS=bits, PLANES=True)
+    assert torch.equal(packed, planes)
+    out = torch.empty(n, r, c)
+    unpack_kernel[(n,)](planes, out, R=r, C=c, BITS=bits, PLANES=True)
+    assert torch.equal(out, codes.float())
+
+
 # -- decode ------------------------------------------------------------------------------------------------------
 def encode_pool(quantizer: AffineQuantizer, x: torch.Tensor, flag: torch.Tensor) -> dict[str, torch.Tensor]:
     """Fields [NB, H, ...] of tiles x [NB, H, G, D]; rotate="auto" tiles take the rotation flag[NB, H] given
