@@ -246,20 +246,24 @@ def test_store_matches_encode(d, cfg):
 
 def test_store_auto_writes_the_chosen_candidate():
     """rotate="auto": flags come from the quantizer's policy on the kernel's own candidates; each stored tile is
-    the candidate its flag names (bit-exact vs a separate launch of that candidate) and the flags agree with
-    AffineQuantizer.encode except where the two errors are within float32 noise (asserted: all 6 tiles here)."""
+    the candidate its flag names (bit-exact vs a separate launch of that candidate), and the flags agree with
+    AffineQuantizer.encode (they could differ only where the two candidates' errors tie within float32 noise;
+    asserted equal on these 4 tiles, both kinds present)."""
     gen = torch.Generator().manual_seed(3)
-    q = AffineQuantizer(AffineConfig(2, "channel", "auto", True, tile=64), "mse")
-    n, h, nb, d = 3, 2, 4, 64
+    iters = 2  # VarN rounds: the selection logic does not depend on them (interpreter time does)
+    q = AffineQuantizer(AffineConfig(2, "channel", "auto", True, varn_iters=iters, tile=64), "mse")
+    n, h, nb, d = 2, 2, 4, 64
     x = heavy_tailed(n, h, 64, d, generator=gen).float()
-    x[0, 0] *= torch.linspace(0.1, 10, d)  # an outlier-channel tile
-    dst = torch.tensor([3, 0, 2], dtype=torch.int32)
+    x[0, 0] = torch.rand(64, d, generator=gen) * torch.logspace(-1, 1, d)  # uniform, channel scales 0.1..10:
+    # plain per-channel RTN wins here (8 of 8 seeds tried), the rotation on heavy-tailed tiles: both kinds stored
+    dst = torch.tensor([3, 0], dtype=torch.int32)
     pool = empty_pool(q, nb, h, d)
     ops.store_tiles(x, q, ops.TileFields.from_pool(pool, q), dst)
     got, want = stored(pool, dst), q.encode(x.flatten(0, 1)).fields
     assert torch.equal(got["rotated"], want["rotated"])
+    assert 0 < int(got["rotated"].sum()) < n * h, f"flags {got['rotated'].tolist()}: want both kinds of tile"
     for rot in (True, False):
-        cfg = AffineConfig(2, "channel", "hadamard" if rot else "none", True, tile=64)
+        cfg = AffineConfig(2, "channel", "hadamard" if rot else "none", True, varn_iters=iters, tile=64)
         single = AffineQuantizer(cfg)
         alone = empty_pool(single, nb, h, d)
         ops.store_tiles(x, single, ops.TileFields.from_pool(alone, single), dst)
