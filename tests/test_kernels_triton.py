@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels run on the CPU tensors
+os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it first (before anything imports triton)
 
 import pytest
 import torch

@@ -55,6 +55,10 @@ def code_layout() -> bool:
 
 def _check_device(*tensors: torch.Tensor) -> None:
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    std = getattr(triton.language.standard, "_sum_combine", None)  # @jit-decorated when triton was imported
+    if interpret and std is not None and type(std).__name__ == "JITFunction":
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported (by torch, transformers or another "
+                           "module): triton's own library is then compiled-only. Set it before anything imports triton")
     for t in tensors:
         if t.device.type != "cuda" and not interpret:
             raise ValueError(f"Triton kernels need CUDA tensors (got {t.device}); on the CPU set TRITON_INTERPRET=1 "
