@@ -10,6 +10,10 @@ from __future__ import annotations
 import os
 import random
 
+# The Triton kernel tests run on Triton's CPU interpreter, which must be chosen before anything (transformers, via
+# test_attention) first imports triton: triton's own @jit library is decorated at import. CPU code never uses it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from hypothesis import settings

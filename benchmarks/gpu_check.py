@@ -1,0 +1,329 @@
+"""One prepared GPU check of the Triton kernels (kvarn.kernels.triton): correctness on real-size shapes, then timing.
+
+    bash benchmarks/gpu_check.sh                    # on a CUDA machine (writes $OUT/gpu_check.{json,md})
+    TRITON_INTERPRET=1 python benchmarks/gpu_check.py --smoke --out /tmp/gc   # the same steps, tiny, on the CPU
+
+Steps (each guarded: a failure is printed and recorded, the next step still runs):
+  1. decode correctness: paged_decode over a pool read through a permuted block table (batch rows of different
+     lengths, sink/tail/fresh exact regions), Qwen3-4B-like heads (32 q / 8 KV, head_dim 128, G = 128), presets
+     kvarn-k2v2, kvarn-k4v2, kvarn-auto-k2v2; against float64 attention over the dequantized K/V. Bound: no worse
+     than 4x float32 attention over the same K/V (+16 eps max|V|) in "ieee" precision; "tf32" within 2e-3 max|V|.
+  2. store correctness: store_tiles vs AffineQuantizer.encode (kvarn-k2v2 keys/values; rtn bit-exact).
+  3. timing (triton.testing.do_bench, medians): decode of one token at 4k/8k/16k/32k context, batch 1 and 8 -
+     fused packed decode (whole call, and the split kernel alone) vs SDPA over dense bf16 K/V (and FlashAttention's
+     flash_attn_with_kvcache when installed); the store of one tile of every KV head per batch row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+RESULTS: dict = {"checks": [], "timings": [], "errors": []}
+OUT: list[Path] = []  # where write() puts the results (after every step and timing row: a timeout keeps them)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def step(name: str):
+    """Run the decorated step now; record its failure instead of stopping."""
+
+    def run(fn):
+        log(f"\n== {name}")
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # one failing step must not hide the others
+            log(f"!! {name} FAILED: {type(e).__name__}: {e}")
+            traceback.print_exc()
+            RESULTS["errors"].append({"step": name, "error": f"{type(e).__name__}: {e}"})
+        log(f"   ({time.perf_counter() - t0:.1f} s)")
+        write()
+        return fn
+
+    return run
+
+
+def check(name: str, ok: bool, **info) -> None:
+    RESULTS["checks"].append({"name": name, "ok": bool(ok), **info})
+    log(f"   [{'PASS' if ok else 'FAIL'}] {name} " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                                        for k, v in info.items()))
+
+
+def bench(fn, smoke: bool) -> float:
+    """Median milliseconds of fn()."""
+    if smoke:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu_check_out")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter (TRITON_INTERPRET=1)")
+    ap.add_argument("--contexts", default="4096,8192,16384,32768")
+    ap.add_argument("--batches", default="1,8")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    OUT.append(out)
+    smoke = args.smoke
+    dev = torch.device("cpu" if smoke else "cuda")
+
+    import triton
+
+    from kvarn.kernels.triton import ops
+    from kvarn.kernels.triton.attention import paged_decode
+    from kvarn.presets import get_preset
+    from kvarn.quant.affine import AffineConfig, AffineQuantizer
+    from kvarn.quant.base import Packed
+
+    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (interpreter)",
+           "smoke": smoke}
+    RESULTS["env"] = env
+    log(f"environment: {env}")
+    hq, hkv, d = (8, 2, 64) if smoke else (32, 8, 128)
+    g_tile = 64 if smoke else 128
+
+    def pool_of(quantizer, x, flag=None):
+        """Fields [NB, H, ...] of tiles x [NB, H, G, D] (auto: rotation from `flag`, both kinds present)."""
+        flat = x.flatten(0, 1)
+        if quantizer.config.rotate == "auto":
+            rot = AffineQuantizer(quantizer.config, "always").encode(flat).fields
+            plain = AffineQuantizer(quantizer.config, "never").encode(flat).fields
+            keep = flag.flatten()
+            f = {k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, plain[k]) for k, v in rot.items()}
+            f["rotated"] = keep.to(torch.uint8)
+        else:
+            f = quantizer.encode(flat).fields
+        return {k: v.unflatten(0, x.shape[:2]).contiguous() for k, v in f.items()}
+
+    @step("1. decode correctness vs float64")
+    def _decode_correct():
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for preset in ("kvarn-k2v2", "kvarn-k4v2", "kvarn-auto-k2v2"):
+            name = f"{preset}-g{g_tile}"
+            kq, vq = get_preset(name).quantizers(d)
+            lens = [3, 2] if smoke else [32, 20]  # blocks per batch row (4k and 2.5k tokens at G = 128)
+            nb_pool = sum(lens) + 3
+            xk = torch.randn(nb_pool, hkv, g_tile, d, generator=gen, device=dev)
+            xk = xk * torch.linspace(0.2, 4.0, d, device=dev)  # channel scales, as real keys have
+            xv = torch.randn(nb_pool, hkv, g_tile, d, generator=gen, device=dev)
+            flag = torch.rand(nb_pool, hkv, generator=gen, device=dev) < 0.5
+            kf, vf = pool_of(kq, xk, flag), pool_of(vq, xv, ~flag)
+            perm = torch.randperm(nb_pool, generator=gen, device=dev).to(torch.int32)
+            table = torch.zeros(2, max(lens), dtype=torch.int32, device=dev)
+            table[0, :lens[0]] = perm[:lens[0]]
+            table[1, :lens[1]] = perm[lens[0]:lens[0] + lens[1]]
+            n_blocks = torch.tensor(lens, dtype=torch.int32, device=dev)
+            sink = [torch.randn(2, hkv, 4, d, generator=gen, device=dev) for _ in range(2)]
+            tail = [torch.randn(2, hkv, 7, d, generator=gen, device=dev) for _ in range(2)]
+            tail_len = torch.tensor([7, 3], dtype=torch.int32, device=dev)
+            new = [torch.randn(2, hkv, 1, d, generator=gen, device=dev) for _ in range(2)]
+            q = torch.randn(2, hq, d, generator=gen, device=dev)
+            exact = [(sink[0], sink[1], None), (tail[0], tail[1], tail_len), (new[0], new[1], None)]
+            keys, values = ops.TileFields.from_pool(kf, kq), ops.TileFields.from_pool(vf, vq)
+            for prec in ("ieee",) if smoke else ("ieee", "tf32"):
+                got = paged_decode(q, keys, values, table, n_blocks, exact, precision=prec)
+                for r in range(2):
+                    blk = table[r, :lens[r]].long()
+                    kd = kq.decode(Packed({k: v[blk].flatten(0, 1) for k, v in kf.items()}))  # [n*H, G, D]
+                    vd = vq.decode(Packed({k: v[blk].flatten(0, 1) for k, v in vf.items()}))
+                    kd = kd.view(lens[r], hkv, g_tile, d).transpose(0, 1).reshape(hkv, -1, d)
+                    vd = vd.view(lens[r], hkv, g_tile, d).transpose(0, 1).reshape(hkv, -1, d)
+                    t = int(tail_len[r])
+                    k_all = torch.cat([sink[0][r], kd, tail[0][r, :, :t], new[0][r]], 1)  # [Hkv, T, D]
+                    v_all = torch.cat([sink[1][r], vd, tail[1][r, :, :t], new[1][r]], 1)
+                    ref = {}
+                    for dt in (torch.float64, torch.float32):
+                        kk = k_all.to(dt).repeat_interleave(hq // hkv, 0)
+                        vv = v_all.to(dt).repeat_interleave(hq // hkv, 0)
+                        p = torch.softmax(q[r].to(dt).unsqueeze(1) @ kk.transpose(1, 2) * d ** -0.5, -1)
+                        ref[dt] = (p @ vv).squeeze(1)  # [Hq, D]
+                    err = float((got[r].double() - ref[torch.float64]).abs().max())
+                    err32 = float((ref[torch.float32].double() - ref[torch.float64]).abs().max())
+                    vmax = float(v_all.abs().max())
+                    eps = torch.finfo(torch.float32).eps
+                    bound = 4 * err32 + 16 * eps * vmax if prec == "ieee" else 2e-3 * vmax
+                    check(f"decode {name} {prec} row {r} ({k_all.shape[1]} tokens)", err <= bound, err=err,
+                          bound=bound, err_f32_torch=err32)
+
+    @step("2. store correctness vs AffineQuantizer.encode")
+    def _store_correct():
+        gen = torch.Generator(device=dev).manual_seed(1)
+        n = 2 if smoke else 16
+        # the kvarn-k2v2 key and value configurations (reused by step 4: no extra compile) and RTN alone (bit-exact)
+        for cfg in ((2, "channel", "hadamard", True), (2, "token", "hadamard", True), (2, "channel", "none", False)):
+            q = AffineQuantizer(AffineConfig(*cfg, tile=g_tile))
+            x = torch.randn(n, hkv, g_tile, d, generator=gen, device=dev) * torch.linspace(0.2, 4.0, d, device=dev)
+            x = x.to(torch.bfloat16)  # as a model hands K/V over
+            want = q.encode(x.flatten(0, 1)).fields
+            pool = {k: torch.zeros((n + 2, hkv, *v.shape[1:]), dtype=v.dtype, device=dev) for k, v in want.items()}
+            dst = torch.randperm(n + 2, generator=gen, device=dev)[:n].to(torch.int32)
+            ops.store_tiles(x, q, ops.TileFields.from_pool(pool, q), dst)
+            got = {k: v[dst.long()].flatten(0, 1) for k, v in pool.items()}
+            from kvarn.ops.packing import unpack_codes
+
+            a = unpack_codes(got["codes"], cfg[0]).int()
+            b = unpack_codes(want["codes"], cfg[0]).int()
+            diff = float((a != b).float().mean())
+            step_max = int((a - b).abs().max())
+            xf = x.flatten(0, 1).float()
+            err = float((q.decode(Packed(got)) - xf).square().mean())
+            ref = float((q.decode(Packed(want)) - xf).square().mean())
+            exact = cfg[2] == "none" and not cfg[3]
+            ok = (diff == 0) if exact else (diff <= 0.01 and step_max <= 1 and err <= 1.01 * ref)
+            check(f"store {q.name} d={d}", ok, codes_differing=diff, max_code_step=step_max, mse=err, mse_ref=ref)
+
+    @step("3. timing: decode of one token, fused packed vs SDPA over dense bf16")
+    def _timing():
+        try:
+            from flash_attn import flash_attn_with_kvcache  # optional
+        except Exception:
+            flash_attn_with_kvcache = None
+            log("   flash_attn not installed: FlashAttention column skipped (SDPA picks its own flash backend)")
+        contexts = [256, 512] if smoke else [int(c) for c in args.contexts.split(",")]
+        batches = [1, 2] if smoke else [int(b) for b in args.batches.split(",")]
+        kq, vq = get_preset(f"kvarn-k2v2-g{g_tile}").quantizers(d)
+        gen = torch.Generator(device=dev).manual_seed(2)
+
+        def decode_row(bsz: int, ctx: int, row: dict) -> None:
+            """Fill one timing row (a function, so the timed lambdas close over its locals only)."""
+            nblk = ctx // g_tile
+            total = bsz * nblk
+            kfields = {"codes": torch.randint(0, 256, (total, hkv, d, g_tile // 4), dtype=torch.uint8,
+                                              generator=gen, device=dev),
+                       "row_scale": torch.rand(total, hkv, d, generator=gen, device=dev).half(),
+                       "row_zero": -torch.rand(total, hkv, d, generator=gen, device=dev).half(),
+                       "col_scale": torch.rand(total, hkv, g_tile, generator=gen, device=dev).half() + 0.5}
+            vfields = {"codes": torch.randint(0, 256, (total, hkv, g_tile, d // 4), dtype=torch.uint8,
+                                              generator=gen, device=dev),
+                       "row_scale": torch.rand(total, hkv, g_tile, generator=gen, device=dev).half(),
+                       "row_zero": -torch.rand(total, hkv, g_tile, generator=gen, device=dev).half(),
+                       "col_scale": torch.rand(total, hkv, d, generator=gen, device=dev).half() + 0.5}
+            keys, values = ops.TileFields.from_pool(kfields, kq), ops.TileFields.from_pool(vfields, vq)
+            table = torch.randperm(total, generator=gen, device=dev).to(torch.int32).view(bsz, nblk)
+            n_blocks = torch.full((bsz,), nblk, dtype=torch.int32, device=dev)
+            q = torch.randn(bsz, hq, d, generator=gen, device=dev, dtype=torch.bfloat16)
+            fresh = [torch.randn(bsz, hkv, 1, d, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+            exact = [(fresh[0], fresh[1], None)]
+            for prec in ("ieee",) if smoke else ("ieee", "tf32"):
+                row[f"packed_{prec}_ms"] = bench(
+                    lambda p=prec: paged_decode(q, keys, values, table, n_blocks, exact, precision=p), smoke)
+            qs = q.float().view(bsz, hkv, hq // hkv, d) * d ** -0.5
+            qh = qs @ ops.hadamard_f32(d, dev)
+            row["packed_kernel_only_ms"] = bench(
+                lambda: ops.decode_partials(qs, qh, keys, values, table, n_blocks), smoke)
+            kd = torch.randn(bsz, hkv, ctx, d, device=dev, dtype=torch.bfloat16)
+            vd = torch.randn(bsz, hkv, ctx, d, device=dev, dtype=torch.bfloat16)
+            q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            try:
+                row["sdpa_bf16_ms"] = bench(lambda: sdpa(q4, kd, vd, enable_gqa=True), smoke)
+            except (TypeError, RuntimeError) as e:  # torch < 2.5: no enable_gqa; expand K/V up front
+                log(f"   SDPA enable_gqa failed ({e}); timing SDPA over K/V repeated to {hq} heads")
+                ke, ve = (t.repeat_interleave(hq // hkv, 1) for t in (kd, vd))
+                row["sdpa_bf16_ms"] = bench(lambda: sdpa(q4, ke, ve), smoke)
+                row["sdpa_note"] = "K/V expanded to Hq heads before timing"
+                del ke, ve
+            if flash_attn_with_kvcache is not None:
+                kf_, vf_ = kd.transpose(1, 2).contiguous(), vd.transpose(1, 2).contiguous()  # [B, T, H, D]
+                qf = q.unsqueeze(1)  # [B, 1, Hq, D]
+                row["flash_attn_bf16_ms"] = bench(lambda: flash_attn_with_kvcache(qf, kf_, vf_), smoke)
+            row["kv_bytes_dense"] = 2 * kd.numel() * kd.element_size()
+            row["kv_bytes_packed"] = sum(t.numel() * t.element_size() for t in
+                                         (*kfields.values(), *vfields.values()))
+            row["ratio_packed_ieee_vs_sdpa"] = row["packed_ieee_ms"] / row["sdpa_bf16_ms"]
+            if "packed_tf32_ms" in row:
+                row["ratio_packed_tf32_vs_sdpa"] = row["packed_tf32_ms"] / row["sdpa_bf16_ms"]
+
+        for bsz in batches:
+            for ctx in contexts:
+                row = {"batch": bsz, "context": ctx}
+                try:
+                    decode_row(bsz, ctx, row)
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    traceback.print_exc()
+                RESULTS["timings"].append(row)
+                log("   " + json.dumps(row))
+                write()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    @step("4. timing: store of one tile per KV head and batch row")
+    def _store_timing():
+        def store_row(bsz: int, kind: str, q: AffineQuantizer, row: dict) -> None:
+            x = torch.randn(bsz, hkv, g_tile, d, device=dev, dtype=torch.bfloat16)
+            want = q.encode(x[:1, :1].flatten(0, 1).float()).fields
+            pool = {k: torch.zeros((bsz, hkv, *v.shape[1:]), dtype=v.dtype, device=dev) for k, v in want.items()}
+            f = ops.TileFields.from_pool(pool, q)
+            dst = torch.arange(bsz, dtype=torch.int32, device=dev)
+            row[f"store_{kind}_ms"] = bench(lambda: ops.store_tiles(x, q, f, dst), smoke)
+            row[f"encode_torch_{kind}_ms"] = bench(lambda: q.encode(x.flatten(0, 1)), smoke)
+
+        kq, vq = get_preset(f"kvarn-k2v2-g{g_tile}").quantizers(d)
+        for bsz in [1, 2] if smoke else [1, 8]:
+            row = {"store_batch": bsz}
+            store_row(bsz, "keys", kq, row)
+            store_row(bsz, "values", vq, row)
+            RESULTS["timings"].append(row)
+            log("   " + json.dumps(row))
+
+    n_fail = sum(not c["ok"] for c in RESULTS["checks"]) + len(RESULTS["errors"])
+    log(f"\n{len(RESULTS['checks'])} checks, {n_fail} failures/errors; results in {out}/gpu_check.json and .md")
+    return 1 if n_fail else 0
+
+
+def write() -> None:
+    out = OUT[0]
+    (out / "gpu_check.json").write_text(json.dumps(RESULTS, indent=2))
+    lines = ["# kvarn Triton GPU check", "", f"Environment: {RESULTS.get('env')}", "",
+             "Command: `bash benchmarks/gpu_check.sh`", ""]
+    if RESULTS.get("env", {}).get("smoke"):
+        lines += ["**Smoke run on the CPU interpreter: the timings measure the interpreter, not the kernels.**", ""]
+    lines += ["## Correctness", "", "| check | ok | details |",
+             "| --- | --- | --- |"]
+    for c in RESULTS["checks"]:
+        det = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()
+                        if k not in ("name", "ok"))
+        lines.append(f"| {c['name']} | {'PASS' if c['ok'] else 'FAIL'} | {det} |")
+    dec = [r for r in RESULTS["timings"] if "context" in r]
+    if dec:
+        cols = [k for k in ("packed_ieee_ms", "packed_tf32_ms", "packed_kernel_only_ms", "sdpa_bf16_ms",
+                            "flash_attn_bf16_ms", "ratio_packed_ieee_vs_sdpa", "ratio_packed_tf32_vs_sdpa")
+                if any(k in r for r in dec)]
+        lines += ["", "## Decode of one token (median ms; ratio < 1: packed faster)", "",
+                  "| batch | context | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 2)]
+        for r in dec:
+            cells = [f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, r.get("error", "")))
+                     for k in cols]
+            lines.append(f"| {r['batch']} | {r['context']} | " + " | ".join(cells) + " |")
+    st = [r for r in RESULTS["timings"] if "store_batch" in r]
+    if st:
+        lines += ["", "## Store of one tile per KV head and batch row (median ms)", "",
+                  "| batch | " + " | ".join(k for k in st[0] if k != "store_batch") + " |",
+                  "|" + " --- |" * len(st[0])]
+        for r in st:
+            lines.append(f"| {r['store_batch']} | " + " | ".join(f"{v:.4g}" for k, v in r.items()
+                                                               if k != "store_batch") + " |")
+    if RESULTS["errors"]:
+        lines += ["", "## Errors", ""] + [f"- {e['step']}: {e['error']}" for e in RESULTS["errors"]]
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
