@@ -8,7 +8,8 @@
     ratio    store / (G x decode): the share of the generation time of the G tokens the tile covers
 
 Store and decode calls are interleaved round by round; each store round appends to fresh copies of the
-layer stores, prepared untimed, holding the sink as the cache does.
+layer stores, prepared untimed, holding the sink as the cache does. One more store call per preset is profiled
+(top operators), the "why" beside a missed target.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from kvarn.bench.e2e import prefilled, stepper
+from kvarn.bench.profile import top_ops
 from kvarn.bench.timing import interleaved_samples, spread
 from kvarn.cache.hf import KVarNCache, KVarNLayer
 from kvarn.cache.store import LayerStore
@@ -73,12 +75,13 @@ def bench_store(model, load_ids: Callable[[int], torch.Tensor], presets: list[st
         kv = capture_kv(model, ids[:, :longest])
     fns, layers = {}, {}
     for p in presets:
-        fns[f"store {p}"] = _store_call(model, ids, p, kv, rounds + warmup)
+        fns[f"store {p}"] = _store_call(model, ids, p, kv, rounds + warmup + 1)  # + 1 profiled
         layers[p] = fns[f"store {p}"].layers
         cache, _ = prefilled(model, ids, context, p, ids.shape[1])
         fns[f"decode {p}"] = stepper(model, ids, context, cache)
     with progress(total=rounds, desc="store", leave=False) as bar, torch.no_grad():
         samples = interleaved_samples(fns, rounds=rounds, warmup=warmup, tick=lambda: bar.update(1))
+        profiles = {p: top_ops(fns[f"store {p}"]) for p in presets}
     times = {k: spread(v) for k, v in samples.items()}
     rows = []
     kv_heads, head_dim = kv[0][0].shape[1], kv[0][0].shape[-1]
@@ -88,6 +91,6 @@ def bench_store(model, load_ids: Callable[[int], torch.Tensor], presets: list[st
         rows.append({"preset": p, "store_ms": 1e3 * st, "decode_ms_per_token": 1e3 * dec, "tile": g,
                      "store_pct_of_decode": 100 * st / (g * dec), "layers": layers[p], "kv_heads": kv_heads,
                      "store_vs_first": st / times[f"store {presets[0]}"]["median_s"],
-                     "bits_per_element": get_preset(p).bits_per_element(head_dim)})
+                     "bits_per_element": get_preset(p).bits_per_element(head_dim), "profile": profiles[p]})
     return {"context": context, "rounds": rounds, "warmup": warmup, "threads": torch.get_num_threads(),
             "timings": times, "rows": rows}
