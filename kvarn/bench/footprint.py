@@ -50,7 +50,7 @@ def _tensors(obj, seen: set[int]):
     elif isinstance(obj, (list, tuple, set)):
         for v in obj:
             yield from _tensors(v, seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and not callable(obj) or hasattr(obj, "__slots__"):
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and not callable(obj):
         for v in getattr(obj, "__dict__", {}).values():
             yield from _tensors(v, seen)
 
