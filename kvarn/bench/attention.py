@@ -6,9 +6,11 @@ One decode step (one query token per sequence) over a context of T stored tokens
                      (sink exact in fp16, packed tiles, exact tail), exactly what a `KVarNCache` layer hands it
     sdpa fp32/bf16   torch's scaled_dot_product_attention over dense [B, Hkv, T + 1, D] K/V (GQA, no repeat)
 
-K/V are `kvarn.synthetic` activations (heavy tails, outlier channels, rare large tokens) of one block of tokens
-per KV head, repeated along the sequence and the batch (timing does not depend on the values; generating 32k
-distinct tokens per head would dominate the run). Queries are seeded normals.
+K/V are `kvarn.synthetic` activations (heavy tails, outlier channels, rare large tokens) of one block of
+`SYNTHETIC_BLOCK` tokens per KV head, repeated along the sequence and the batch; the store quantizes the tiles of
+that block once (batch row 0) and repeats the packed tiles to the context and the batch (the layout is
+[B, H, n_tiles, ...], `kvarn.cache.store`). Timing does not depend on the values, and quantizing 32k distinct
+tokens of 8 batch rows would dominate the run. Queries are seeded normals.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from kvarn.attention.view import StoredKV
 from kvarn.bench.profile import top_ops
 from kvarn.bench.timing import interleaved_samples, spread
 from kvarn.cache.store import LayerStore
+from kvarn.presets import get_preset
+from kvarn.quant.base import Packed
 from kvarn.synthetic import synthetic_kv
 
 
@@ -38,8 +42,7 @@ SHAPES = {
     "smollm2": HeadShape("smollm2", 9, 3, 64),  # the embedded model
     "qwen3-4b": HeadShape("qwen3-4b", 32, 8, 128),  # a Qwen3-4B-like layer
 }
-SYNTHETIC_BLOCK = 2048  # distinct synthetic tokens per KV head, repeated to the context
-APPEND_CHUNK = 4096  # tokens per store append (bounds the encode temporaries at long context)
+SYNTHETIC_BLOCK = 2048  # distinct synthetic tokens per KV head after the sink, repeated to the context
 
 
 def attention_path() -> str:
@@ -56,23 +59,47 @@ def attention_path() -> str:
     return "kvarn.kernels present (path not exposed)"
 
 
-def _dense_kv(shape: HeadShape, batch: int, context: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, Hkv, context + 1, D] float32 keys and values (the last token is the fresh one)."""
-    n = min(SYNTHETIC_BLOCK, context + 1)
+def _dense_kv(shape: HeadShape, batch: int, context: int, sink: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Hkv, context + 1, D] float32 keys and values (the last token is the fresh one): `sink` synthetic tokens,
+    then one block of SYNTHETIC_BLOCK synthetic tokens repeated; every batch row the same."""
+    n = min(sink + SYNTHETIC_BLOCK, context + 1)
     s = synthetic_kv(n, shape.head_dim, heads=shape.kv_heads, seed=seed)
-    reps = -(-(context + 1) // n)
-    k = s.keys.repeat(1, reps, 1)[:, : context + 1]
-    v = s.values.repeat(1, reps, 1)[:, : context + 1]
-    return k.unsqueeze(0).expand(batch, -1, -1, -1).contiguous(), v.unsqueeze(0).expand(batch, -1, -1, -1).contiguous()
+
+    def fill(x: torch.Tensor) -> torch.Tensor:  # [H, n, D] -> [B, H, context + 1, D]
+        head, body = x[:, :sink], x[:, sink:]
+        reps = -(-(context + 1 - head.shape[1]) // max(1, body.shape[1]))
+        out = torch.cat([head, body.repeat(1, reps, 1)], dim=1)[:, : context + 1]
+        return out.unsqueeze(0).expand(batch, -1, -1, -1).contiguous()
+
+    return fill(s.keys), fill(s.values)
 
 
 def _filled_store(preset: str, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> LayerStore:
-    """A LayerStore of k, v [B, H, T, D] as a KVarNCache layer holds them (sink in fp16); q feeds the key-rotation
-    policy of rotate="auto" presets (the queries that would have read these keys)."""
+    """A LayerStore of k, v [B, H, T, D] as a KVarNCache layer holds them (sink in fp16), where k, v repeat the
+    tokens of one block after the sink and every batch row is row 0 (`_dense_kv`): the store quantizes the tiles
+    of one block of row 0 and repeats them. q feeds the key-rotation policy of rotate="auto" presets."""
+    b, _, t, _ = k.shape
     store = LayerStore(preset, k.shape[-1], exact_dtype=torch.float16)
-    for t0 in range(0, k.shape[2], APPEND_CHUNK):
-        store.append(k[:, :, t0:t0 + APPEND_CHUNK], v[:, :, t0:t0 + APPEND_CHUNK], defer_keys=True)
-        store.observe_queries(q)
+    g = store.keys.quantizer.tile if store.keys.quantizer is not None else t
+    sink = store.keys.sink_len
+    block = min(t, sink + SYNTHETIC_BLOCK // g * g)
+    store.append(k[:1, :, :block], v[:1, :, :block], defer_keys=True)
+    store.observe_queries(q[:1])
+    n = max(t - sink, 0) // g  # tiles at the full context; the rest is the exact tail
+    for ts, x in ((store.keys, k), (store.values, v)):
+        if ts.quantizer is None or n <= ts.n_tiles:
+            continue
+        if len(ts.exact_index) or (ts.tail is not None and ts.tail.shape[2]):
+            raise ValueError("repeating tiles needs a block of whole, finite tiles")
+        reps = -(-n // ts.n_tiles)
+        ts.packed = Packed({name: f.repeat(1, 1, reps, *[1] * (f.dim() - 3))[:, :, :n]
+                            for name, f in ts.packed.fields.items()})
+        ts.n_tiles, ts.tail, ts.length = n, x[:1, :, sink + n * g:], t
+    index = torch.zeros(b, dtype=torch.long)
+    store.keys.index_batch(index)
+    store.values.index_batch(index)
+    if store.queries is not None:
+        store.queries.index_batch(index)
     return store
 
 
@@ -81,7 +108,10 @@ def bench_attention_case(shape: HeadShape, batch: int, context: int, presets: li
     """One (shape, batch, context): median seconds per decode-attention call of each contender and the ratios
     kvarn / sdpa fp32 and kvarn / sdpa bf16."""
     g = torch.Generator().manual_seed(seed)
-    k, v = _dense_kv(shape, batch, context, seed)
+    sink = max(get_preset(p).sink for p in presets)
+    if any(get_preset(p).sink != sink for p in presets):
+        raise ValueError("the attention presets must share one sink length (the K/V repeat after it)")
+    k, v = _dense_kv(shape, batch, context, sink, seed)
     q = torch.randn(batch, shape.q_heads, 1, shape.head_dim, generator=g)
     fns = {}
     stores = {}
