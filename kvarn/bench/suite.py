@@ -133,6 +133,8 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
 
             out["sections"]["memory"] = bench_memory(args.model, load_ids, _ints(s["mem_contexts"]),
                                                      _names(s["caches"]), s["mem_steps"])
+        if args.json:  # after every section, so a long run that stops early keeps what it measured
+            write_json(args.json, out | {"targets": check_targets(out), "wall_s": time.perf_counter() - t0})
     out["targets"] = check_targets(out)
     out["wall_s"] = time.perf_counter() - t0
     report.print_tables(out)
