@@ -12,7 +12,7 @@ from conftest import make_tiny_model, tiny_model_folder
 from kvarn.cli import main
 from kvarn.eval.schema import load_schema, validate
 
-WORDS = "the a cat dog sat ran on under mat tree and or but quickly slowly red green blue".split()
+WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "tree", "and", "or", "but", "red", "blue"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_bench_all_tiny_end_to_end(tiny, tmp_path):
     assert doc.startswith("# Benchmarks\n\nWritten by hand.\n") and "tiny test run" in doc
     assert "](img/bench-e2e.png)" in doc and "issue 10 targets" in doc
     # a second run replaces the generated block, keeping the text around it
-    main(args[:-2] + ["--note", "second"])
+    main([*args[:-2], "--note", "second"])
     doc2 = md.read_text()
     assert doc2.count("kvarn bench: begin generated") == 1 and "second" in doc2 and "tiny test run" not in doc2
 

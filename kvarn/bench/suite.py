@@ -89,7 +89,6 @@ def command_line(args: argparse.Namespace, sections: list[str]) -> str:
 
 
 def run(args: argparse.Namespace, sections: list[str]) -> dict:
-    from kvarn.bench import report
     from kvarn.bench.targets import check_targets
     from kvarn.eval.common import load_tokens, provenance, release_freed_buffers, write_json
 
@@ -137,10 +136,31 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
             write_json(args.json, out | {"targets": check_targets(out), "wall_s": time.perf_counter() - t0})
     out["targets"] = check_targets(out)
     out["wall_s"] = time.perf_counter() - t0
-    report.print_tables(out)
-    images = report.plots(out, args.plots) if args.plots else []
     if args.json:
         write_json(args.json, out)
-    if args.markdown:
-        report.write_markdown(args.markdown, report.markdown(out, images, args.markdown.parent))
+    publish(out, args.plots, args.markdown)
     return out
+
+
+def publish(result: dict, plots: Path | None, markdown: Path | None) -> None:
+    """Print the tables; write the plots and the generated block of the markdown file, if asked."""
+    from kvarn.bench import report
+
+    report.print_tables(result)
+    images = report.plots(result, plots) if plots else []
+    if markdown:
+        report.write_markdown(markdown, report.markdown(result, images, markdown.parent))
+
+
+def render(path: Path, plots: Path | None, markdown: Path | None) -> dict:
+    """Tables, plots and markdown from a bench JSON already written (no measuring)."""
+    import json
+
+    from kvarn.bench.targets import check_targets
+
+    if not path.exists():
+        raise ValueError(f"no bench JSON at {path}")
+    result = json.loads(path.read_text())
+    result["targets"] = check_targets(result)
+    publish(result, plots, markdown)
+    return result

@@ -4,6 +4,7 @@ The logic lives in `kvarn.bench`; this file only declares the subcommands."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 HELP = {
     "attention": "decode attention alone: kvarn packed vs SDPA over dense fp32/bf16 K/V",
@@ -23,6 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         s = bs.add_parser(name, help=text, description=text)
         add_arguments(s)
         s.set_defaults(func=run)
+    r = bs.add_parser("render", help="tables, plots and markdown from a bench JSON (no measuring)")
+    r.add_argument("json", type=Path, help="a `kvarn bench ... --json` file")
+    r.add_argument("--plots", type=Path, default=None, metavar="DIR")
+    r.add_argument("--markdown", type=Path, default=None, metavar="FILE")
+    r.set_defaults(func=run_render)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,4 +36,11 @@ def run(args: argparse.Namespace) -> int:
     from kvarn.bench.suite import run as run_sections
 
     run_sections(args, list(SECTIONS) if args.bench == "all" else [args.bench])
+    return 0
+
+
+def run_render(args: argparse.Namespace) -> int:
+    from kvarn.bench.suite import render
+
+    render(args.json, args.plots, args.markdown)
     return 0
