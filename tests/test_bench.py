@@ -20,6 +20,7 @@ def tiny(tmp_path_factory):
     return tiny_model_folder(tmp_path_factory.mktemp("bench"), "llama", WORDS, 2000)
 
 
+@pytest.mark.slow  # a process per cache in the memory section: about a minute on an idle 2-core machine
 def test_bench_all_tiny_end_to_end(tiny, tmp_path):
     """Every section, the JSON schema, the plots and the markdown block; 300 tokens hold a sink and a tile."""
     folder, text = tiny
@@ -54,6 +55,32 @@ def test_bench_all_tiny_end_to_end(tiny, tmp_path):
     main([*args[:-2], "--note", "second"])
     doc2 = md.read_text()
     assert doc2.count("kvarn bench: begin generated") == 1 and "second" in doc2 and "tiny test run" not in doc2
+
+
+def test_bench_sections_tiny_in_process(tiny, tmp_path):
+    """The default suite's end-to-end check: attention, e2e and store through the CLI on tiny shapes, the memory
+    figures of one cache measured in this process (the `all` test above spawns a process per cache)."""
+    from kvarn.bench.footprint import measure_one
+    from kvarn.eval.common import load_tokens
+    from kvarn.models import load_model
+
+    folder, text = tiny
+    out = tmp_path / "b.json"
+    args = ["bench", "all", "--quick", "--model", folder, "--text", text, "--threads", "1", "--shapes", "smollm2",
+            "--batches", "2", "--attn-contexts", "300", "--attn-rounds", "1", "--e2e-contexts", "300", "--steps", "1",
+            "--caches", "dynamic,kvarn-k2v2-g128", "--store-presets", "kvarn-k2v2-g128", "--store-context", "300",
+            "--store-rounds", "1", "--warmup", "0"]
+    for section in ("attention", "e2e", "store"):
+        assert main([*args[:1], section, *args[2:], "--json", str(out)]) == 0
+        result = json.loads(out.read_text())
+        validate(result, load_schema("bench"))
+        assert list(result["sections"]) == [section]
+    assert result["sections"]["store"]["rows"][0]["layers"] == 2
+    _, tok = load_model(folder)
+    ids = load_tokens(tok, text, 302)
+    r = measure_one(folder, ids, 300, "dynamic", 2, 1)
+    assert r["kv_bytes"] == 2 * 2 * 2 * 302 * 64 * 4  # layers x (K, V) x heads x tokens x head_dim x fp32
+    assert r["rss_peak"] >= r["rss_model"] > 0
 
 
 def test_bench_e2e_baselines_in_process(tmp_path):
