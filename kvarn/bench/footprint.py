@@ -4,7 +4,8 @@ For each cache, a spawned process loads the model, prefills N tokens of the text
 e2e protocol, `kvarn.bench.e2e`), then reports:
     kv_bytes        bytes of the unique tensor storages reachable from the cache (`kvarn.cache.memory.held_bytes`)
     rss_model       resident memory after loading the model, before any cache
-    rss_peak        peak resident memory of the process (getrusage ru_maxrss)
+    rss_peak        peak resident memory from the end of the model load on (Linux VmHWM after resetting it through
+                    /proc/self/clear_refs; elsewhere ru_maxrss, which includes the load, with a warning)
     peak_over_model rss_peak - rss_model: what prefill and decode with this cache added at their peak
 A process per cache, because a process's peak memory only grows.
 """
@@ -69,10 +70,27 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _peak_rss() -> int:
+def _reset_peak() -> bool:
+    """Linux: restart the process's peak-RSS count (VmHWM) now, so loading the model does not set the peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss(reset: bool) -> int:
+    """Peak RSS since `_reset_peak` (VmHWM) when it worked, else since the process started (ru_maxrss)."""
+    if reset:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
     import resource
     import sys
 
+    warnings.warn("kvarn bench: cannot reset the peak RSS here; it includes loading the model", stacklevel=2)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # kilobytes on Linux
 
@@ -85,12 +103,13 @@ def measure_one(model_name: str, ids: torch.Tensor, context: int, cache: str, st
     torch.set_num_threads(threads)
     model, _ = load_model(model_name)
     rss_model = _rss()
+    reset = _reset_peak()
     c, _ = prefilled(model, ids, context, cache, ids.shape[1])
     step = stepper(model, ids, context, c)
     for _ in range(steps):
         step()
     kv = held_bytes(c)
-    peak = _peak_rss()
+    peak = _peak_rss(reset)
     return {"cache": cache, "context": context, "tokens": context + steps, "kv_bytes": kv, "rss_model": rss_model,
             "rss_peak": peak, "peak_over_model": peak - rss_model}
 
