@@ -1,6 +1,6 @@
 """Long run (issue 9): bytes really held stay on nbytes()'s formula (within 5%) at every step of a long stream of
 decode steps and chunks. The short version runs by default; the full one (32k tokens, the embedded model's 30
-layers) is `kvarn bench memory --long` (and the slow test below)."""
+layers) is `kvarn bench memory-long` (and the slow test below)."""
 
 from __future__ import annotations
 

@@ -109,15 +109,22 @@ def largest_deviation(rows: list[dict]) -> dict[str, float]:
 
 
 def run_long(args, layers: int, kv_heads: int, head_dim: int) -> int:
-    """`kvarn bench memory --long`: the long run on the model's cache shapes, a table, optional JSON."""
-    from kvarn.commands.bench import _presets, _print
+    """`kvarn bench memory-long`: the long run on the model's cache shapes, a table, optional JSON."""
+    from rich.table import Table
+
+    from kvarn.console import console
     from kvarn.eval.common import provenance, write_json
 
-    preset = _presets(args.presets)[0]
+    preset = get_preset(args.preset).name
     rows = long_run(preset, args.tokens, 1024, layers, kv_heads, head_dim)
     dev = largest_deviation(rows)
-    _print(rows, f"bytes held vs nbytes() every 1k tokens, {preset}, {layers} layers x {kv_heads} heads x "
+    t = Table(title=f"bytes held vs nbytes() every 1k tokens, {preset}, {layers} layers x {kv_heads} heads x "
                  f"{head_dim}, float16 K/V")
+    for k in rows[0]:
+        t.add_column(k, justify="right")
+    for r in rows:
+        t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()])
+    console().print(t)
     print(f"largest deviation of held bytes: {100 * dev['vs_content']:.3f}% from nbytes()'s formula (content), "
           f"{100 * dev['vs_total']:.3f}% from nbytes().total (reserved included)")
     if args.json:

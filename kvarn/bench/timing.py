@@ -7,8 +7,12 @@ import time
 from collections.abc import Callable
 
 
-def interleaved_median(fns: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function, measured in interleaved rounds."""
+def interleaved_samples(fns: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1,
+                        tick: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each function, `rounds` samples each: round r calls every function once, in order,
+    after `warmup` untimed rounds. `tick` is called after each timed round (a progress bar)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -18,4 +22,17 @@ def interleaved_median(fns: dict[str, Callable[[], object]], rounds: int = 5, wa
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+        if tick is not None:
+            tick()
+    return times
+
+
+def interleaved_median(fns: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, measured in interleaved rounds."""
+    return {k: statistics.median(v) for k, v in interleaved_samples(fns, rounds, warmup).items()}
+
+
+def spread(samples: list[float]) -> dict[str, float]:
+    """Median and interquartile range of timing samples (seconds), as recorded in the JSON."""
+    q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+    return {"median_s": statistics.median(samples), "q1_s": q[0], "q3_s": q[2], "n": len(samples)}
