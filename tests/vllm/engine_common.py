@@ -6,7 +6,6 @@ PRESET = "kvarn-k4v2-g128"
 MAX_NEW = 32
 LENGTHS = (150, 300, 400, 520)  # prompt tokens: the first stays within sink + one block, the others cross blocks
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-RUN_TIMEOUT = 900
 
 
 def model_dir() -> str:

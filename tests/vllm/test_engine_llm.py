@@ -29,11 +29,11 @@ import pytest
 import torch
 from engine_common import ENV, LENGTHS, MAX_NEW, PRESET, model_dir, prompts
 
-pytestmark = [pytest.mark.model]
+pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-RUN_TIMEOUT = 900
+RUN_TIMEOUT = 1800
 
 
 def llm_kwargs(extra: dict | None = None) -> dict:

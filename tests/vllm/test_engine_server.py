@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from engine_common import ENV, PRESET, model_dir, prompts
 
-pytestmark = [pytest.mark.model]
+pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
 
 START_TIMEOUT = 600
 REQUEST_TIMEOUT = 300

@@ -11,7 +11,7 @@ import pytest
 from engine_common import PRESET
 from test_engine_llm import run_llm
 
-pytestmark = [pytest.mark.model, pytest.mark.slow]
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
 
 LENGTHS = (300, 200)
 MAX_NEW = 16
