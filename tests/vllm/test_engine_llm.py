@@ -128,34 +128,24 @@ def test_agreement_with_stock_vllm(runs, report) -> None:
     assert tf[PRESET] >= 0.9, tf
 
 
-def _transformers_top1(seqs: list[list[int]], preset: str | None) -> list[list[int]]:
-    """kvarn's transformers cache (or none) predicting the last MAX_NEW tokens of each sequence, fed G at a time."""
-    from kvarn.cache.hf import KVarNCache
-    from kvarn.models import load_model
-
-    torch.set_num_threads(2)
-    model, _ = load_model("default", dtype=torch.bfloat16)
-    out = []
-    with torch.no_grad():
-        for s in seqs:
-            ids = torch.tensor([s])
-            if preset is None:
-                logits = model(input_ids=ids).logits[0]
-            else:
-                cache = KVarNCache(model.config, preset=preset, exact_dtype=None)
-                g = cache.preset.tile
-                logits = torch.cat([model(input_ids=ids[:, i:i + g], past_key_values=cache, use_cache=True).logits[0]
-                                    for i in range(0, ids.shape[1], g)])
-            out.append(logits[-MAX_NEW - 1:-1].argmax(-1).tolist())
-    return out
+def _transformers_top1(tmp: Path, seqs: list[list[int]], preset: str | None) -> list[list[int]]:
+    """kvarn's transformers cache (or none) predicting the last MAX_NEW tokens of each sequence (`hf_top1.py`)."""
+    name = preset or "stock"
+    job, out = tmp / f"hf-{name}.job.json", tmp / f"hf-{name}.out.json"
+    job.write_text(json.dumps({"sequences": seqs, "preset": preset, "last": MAX_NEW}))
+    python = os.environ.get("KVARN_HF_PYTHON", sys.executable)
+    proc = subprocess.run([python, str(HERE / "hf_top1.py"), str(job), str(out)], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, f"{python} hf_top1.py failed:\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
 
 
-def test_agreement_with_transformers_cache(runs, report) -> None:
+def test_agreement_with_transformers_cache(runs, report, tmp_path) -> None:
     """Same quantizer in both engines: vLLM+kvarn agrees with transformers+KVarNCache about as well as stock vLLM
     agrees with stock transformers (what the two engines' bf16 kernels alone cause)."""
     seqs, stock = runs["sequences"], runs["stock"][0]["tokens"]
-    hf_stock = agreement(_transformers_top1(seqs, None), stock)
-    hf_kvarn = agreement(_transformers_top1(seqs, PRESET), runs[PRESET][0]["top1"])
+    hf_stock = agreement(_transformers_top1(tmp_path, seqs, None), stock)
+    hf_kvarn = agreement(_transformers_top1(tmp_path, seqs, PRESET), runs[PRESET][0]["top1"])
     report["top1_agreement_transformers_vs_vllm"] = {"stock": round(hf_stock, 4), PRESET: round(hf_kvarn, 4)}
     assert hf_kvarn >= 0.9 and hf_kvarn >= hf_stock - 0.05, (hf_kvarn, hf_stock)
 
