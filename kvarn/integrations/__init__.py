@@ -1,0 +1,1 @@
+"""Integrations of the kvarn cache with serving engines (vLLM: `kvarn.integrations.vllm`)."""

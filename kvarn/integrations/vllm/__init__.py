@@ -1,0 +1,27 @@
+"""KVarN for stock vLLM: a `vllm.general_plugins` entry point and a packed paged KV cache for the CPU platform.
+
+    pip install "kvarn[vllm]"    (on CPU: `make vllm-venv`, see docs/VLLM.md)
+    LLM(model, additional_config={"kvarn": {"preset": "kvarn-k4v2-g128"}}, ...)
+
+`register` runs in every vLLM process (front end, engine core, workers), possibly more than once: it only points
+the registry entries of `select.MLA` and CPU_ATTN at `kvarn.integrations.vllm.select`, which resolves to vLLM's own
+class unless the run's config enables kvarn. Modules: `config` (options, refusals), `select` (the registry hook),
+`layout` (page bytes), `pool` (full-precision pool), `paged` (store + attention), `backend` (vLLM's classes).
+"""
+
+from __future__ import annotations
+
+SUPPORTED_VLLM = ("0.32",)  # minor versions whose backend API this plugin was written and tested against
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point (idempotent)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from kvarn.integrations.vllm.select import MLA, STOCK
+
+    for name in (*STOCK, *MLA):
+        member = AttentionBackendEnum[name]
+        path = f"kvarn.integrations.vllm.select.{name}"
+        if member.get_path() != path:
+            register_backend(member, path)

@@ -1,0 +1,111 @@
+"""The plugin's settings, read from vLLM's `additional_config["kvarn"]`, and the checks that refuse what it cannot do.
+
+    LLM(model, additional_config={"kvarn": {"preset": "kvarn-k4v2-g128"}})
+    python -m vllm.entrypoints.openai.api_server --model M \
+        --additional-config '{"kvarn": {"preset": "kvarn-k4v2-g128"}}'
+
+Keys of the "kvarn" mapping:
+    preset       a kvarn preset of the affine family with a fixed rotation (kvarn, rtn, hadamard, varn; k2v2/k4v2/k4v4;
+                 g128/g64): one vLLM block = one tile of G tokens
+    sink         tokens kept exact at the start of every sequence (default: the preset's, 128); a multiple of G
+    fp_slots     full-precision blocks per layer for sinks and blocks being filled (default: 2 * max_num_seqs, what
+                 the running sequences can need at once); carved from the KV budget
+
+`additional_config` enters vLLM's config hash, so compiled graphs and caches never mix runs with and without kvarn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvarn.presets import Preset, get_preset
+from kvarn.quant.affine import AffineQuantizer
+
+KEY = "kvarn"
+_KNOWN = {"preset", "sink", "fp_slots"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    preset: Preset
+    sink: int  # tokens, a multiple of the tile
+    fp_slots: int | None  # None: 2 * max_num_seqs
+
+    @property
+    def tile(self) -> int:
+        return self.preset.tile
+
+    @property
+    def sink_blocks(self) -> int:
+        return self.sink // self.preset.tile
+
+
+def raw_settings(vllm_config: Any) -> dict | None:
+    """The "kvarn" mapping of `additional_config`, or None when the plugin is not enabled."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict) or KEY not in extra:
+        return None
+    raw = extra[KEY]
+    if not isinstance(raw, dict):
+        raise ValueError(f"additional_config['kvarn'] must be a mapping like {{'preset': 'kvarn-k4v2-g128'}}, "
+                         f"got {raw!r}")
+    return raw
+
+
+def check_preset(preset: Preset) -> None:
+    """Refuse presets the paged backend does not implement, naming why."""
+    if not preset.quantized:
+        raise ValueError(f"kvarn: preset {preset.name!r} does not quantize; run vLLM without the kvarn option instead")
+    kq, vq = preset.quantizers(64)
+    if not (isinstance(kq, AffineQuantizer) and isinstance(vq, AffineQuantizer)):
+        raise ValueError(f"kvarn: preset {preset.name!r} is a baseline; the vLLM backend runs the affine family "
+                         "(kvarn, rtn, hadamard, varn)")
+    if "auto" in (kq.config.rotate, vq.config.rotate):
+        raise ValueError(f"kvarn: preset {preset.name!r} chooses its rotation from running query statistics, which "
+                         "the vLLM backend does not keep yet; use a kvarn-k*v*-g* preset")
+    if preset.value_window != "block" or any(preset.fp_layers) or preset.key_pre_rope:
+        raise ValueError(f"kvarn: preset {preset.name!r} needs a sliding value window, full-precision layers or "
+                         "pre-RoPE keys, which the vLLM backend does not support")
+    if kq.tile != preset.tile or vq.tile != preset.tile:
+        raise ValueError(f"kvarn: preset {preset.name!r} quantizes tiles of {kq.tile}/{vq.tile} tokens inside "
+                         f"blocks of {preset.tile}; the vLLM backend needs one tile per block")
+
+
+def parse(raw: dict) -> Settings:
+    unknown = set(raw) - _KNOWN
+    if unknown:
+        raise ValueError(f"kvarn: unknown option(s) {sorted(unknown)} in additional_config['kvarn']; "
+                         f"known: {sorted(_KNOWN)}")
+    if "preset" not in raw:
+        raise ValueError("kvarn: additional_config['kvarn'] needs a 'preset', e.g. 'kvarn-k4v2-g128'")
+    preset = get_preset(raw["preset"])
+    check_preset(preset)
+    sink = raw.get("sink", preset.sink)
+    if not isinstance(sink, int) or sink < 0 or sink % preset.tile:
+        raise ValueError(f"kvarn: sink must be a non-negative multiple of the tile ({preset.tile}), got {sink!r}")
+    fp_slots = raw.get("fp_slots")
+    if fp_slots is not None and (not isinstance(fp_slots, int) or fp_slots < 1):
+        raise ValueError(f"kvarn: fp_slots must be a positive integer, got {fp_slots!r}")
+    return Settings(preset, sink, fp_slots)
+
+
+def settings_of(vllm_config: Any) -> Settings | None:
+    raw = raw_settings(vllm_config)
+    return None if raw is None else parse(raw)
+
+
+def check_engine(vllm_config: Any, settings: Settings) -> None:
+    """Refuse engine features the backend does not handle, at start-up (never a silent fallback)."""
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ValueError("kvarn: speculative decoding is not supported by the kvarn vLLM backend yet")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise ValueError("kvarn: KV transfer/offloading connectors copy vLLM pages, whose layout kvarn changes; "
+                         "not supported")
+    cache = vllm_config.cache_config
+    if cache.block_size != settings.tile:
+        raise ValueError(f"kvarn: vLLM's block size must equal the preset's tile ({settings.tile} tokens), got "
+                         f"block_size={cache.block_size}; pass block_size={settings.tile}")
+    pc = vllm_config.parallel_config
+    if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
+        raise ValueError("kvarn: context parallelism is not supported")

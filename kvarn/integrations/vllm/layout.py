@@ -1,0 +1,121 @@
+"""Byte layout of a kvarn page: what one vLLM block of one layer holds.
+
+vLLM views each layer's cache as uint8 [num_blocks, H, N = G, C] (layout LBHNC): per block and KV head a run of G*C
+bytes. kvarn splits that run in two:
+
+    [0, G*c0)          the packed tile of this head: key fields then value fields (`TileLayout.fields`), zero padded
+    [G*c0, G*C)        a share of the full-precision pool, e = C - c0 bytes per token slot
+
+The shares of k consecutive blocks form one full-precision block ("fp slot") of this head, K and V [2, G, D] in the
+model dtype: k = 2*D*itemsize / e (e divides 2*D*itemsize). The pool thus lives inside the memory vLLM sizes and
+allocates, so vLLM's own capacity report counts it: a page costs G*C bytes per head instead of G*2*D*itemsize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvarn.presets import Preset
+
+
+@dataclass(frozen=True)
+class Field:
+    kind: str  # "keys" | "values"
+    name: str  # codes, row_scale, row_zero, col_scale
+    shape: tuple[int, ...]  # per tile
+    dtype: torch.dtype
+    offset: int  # bytes into the head's run
+    nbytes: int
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class TileLayout:
+    """Where each packed field of a (keys, values) tile pair sits in a head's run of a page."""
+
+    def __init__(self, preset: Preset, head_dim: int, fp_dtype: torch.dtype) -> None:
+        self.preset, self.head_dim, self.fp_dtype = preset, head_dim, fp_dtype
+        self.tile = g = preset.tile
+        self.key_q, self.value_q = preset.quantizers(head_dim)
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randn(1, g, head_dim, generator=gen)  # only the fields' shapes and dtypes are used
+        fields, at = [], 0
+        for kind, q in (("keys", self.key_q), ("values", self.value_q)):
+            for name, t in q.encode(probe).fields.items():
+                n = t[0].numel() * t.element_size()
+                at = _ceil(at, t.element_size()) * t.element_size()  # each field aligned to its itemsize
+                fields.append(Field(kind, name, tuple(t.shape[1:]), t.dtype, at, n))
+                at += n
+        self.fields = tuple(fields)
+        self.packed_bytes = at  # per head per tile
+        self.c0 = _ceil(at, g)  # bytes per token slot for the packed part
+        self.fp_bytes = 2 * g * head_dim * fp_dtype.itemsize  # one fp block of one head, K and V
+
+    def share_choices(self) -> list[int]:
+        """Possible e (bytes per token slot of fp share): divisors of 2*D*itemsize, smallest first."""
+        m = 2 * self.head_dim * self.fp_dtype.itemsize
+        return [e for e in range(1, m + 1) if m % e == 0]
+
+    def blocks_per_slot(self, e: int) -> int:
+        return 2 * self.head_dim * self.fp_dtype.itemsize // e
+
+    def bf16_page_per_head(self) -> int:
+        """What stock vLLM stores per head per block at 16 bits, for capacity ratios."""
+        return self.tile * 2 * self.head_dim * 2
+
+    def views(self, runs: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """runs uint8 [num_blocks, H, >= packed_bytes] -> (keys, values): each field as a zero-copy strided view
+        [num_blocks, H, *shape] in its dtype: field f of block b, head h at base + b*stride(0) + h*stride(1), the
+        block-table addressing of the shared kernel design."""
+        out: dict[str, dict[str, torch.Tensor]] = {"keys": {}, "values": {}}
+        for f in self.fields:
+            raw = runs[:, :, f.offset:f.offset + f.nbytes]
+            out[f.kind][f.name] = raw.view(f.dtype).unflatten(-1, f.shape)
+        return out["keys"], out["values"]
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """One layer's page: C bytes per token slot per head, of which e belong to the fp pool."""
+
+    layout: TileLayout
+    num_kv_heads: int
+    e: int
+
+    @property
+    def c(self) -> int:
+        return self.layout.c0 + self.e
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_kv_heads * self.layout.tile * self.c
+
+    @property
+    def blocks_per_slot(self) -> int:
+        return self.layout.blocks_per_slot(self.e)
+
+    def fp_slots(self, num_blocks: int) -> int:
+        return num_blocks // self.blocks_per_slot
+
+    def tokens_ratio_vs_bf16(self) -> float:
+        return self.layout.bf16_page_per_head() / (self.layout.tile * self.c)
+
+
+def choose_geometry(layout: TileLayout, num_kv_heads: int, num_layers: int, budget: int, slots: int) -> PageGeometry:
+    """The smallest fp share that still gives every layer `slots` fp blocks within `budget` bytes of KV cache.
+
+    vLLM then makes num_blocks = budget // (num_layers * page_bytes) blocks (kv_cache_utils); each layer's shares
+    form num_blocks // blocks_per_slot fp slots."""
+    for e in layout.share_choices():
+        geo = PageGeometry(layout, num_kv_heads, e)
+        num_blocks = budget // (num_layers * geo.page_bytes)
+        if geo.fp_slots(num_blocks) >= slots:
+            return geo
+    raise ValueError(f"kvarn: {slots} full-precision blocks per layer (sinks and blocks being filled of up to "
+                     f"{slots // 2} sequences) do not fit in a KV cache of {budget / 2**30:.2f} GiB; lower "
+                     "max_num_seqs, or raise the KV budget (VLLM_CPU_KVCACHE_SPACE / kv_cache_memory_bytes), or set "
+                     "additional_config kvarn.fp_slots")

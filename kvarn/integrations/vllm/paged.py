@@ -1,0 +1,138 @@
+"""One attention layer over vLLM's paged kvarn cache, in plain PyTorch: store the step's K/V, then attend.
+
+What a query at position p of logical block j sees (the same whatever the batching, chunking, prefix-cache hits or
+preemptions that led to it, so a prefill equals a token-by-token decode):
+
+    blocks 0 .. j-1        as stored: sink blocks exact (fp slots), the others packed
+    block j, tokens <= p   exact (the fp slot's earlier rows and this step's fresh rows)
+
+This is what kvarn's transformers cache gives a sequence fed one token at a time. Per layer and step:
+  1. write: for every block touched by a request's new tokens, assemble its exact rows; blocks that complete are
+     quantized together (one `encode` for all of them, the quantizer of the transformers cache) into their pages;
+     sink blocks and incomplete blocks also (re)write their fp slot;
+  2. read: per request and per query block j, `kvarn.attention.packed.packed_attention` over a `StoredKV` view of
+     blocks < j (fields gathered through the block table) plus block j's exact rows, one softmax.
+
+Kernel seam: `past_view` gathers packed fields by block id; a fused kernel takes the pool's field views
+(`LayerPool.key_fields` / `value_fields`: [num_blocks, H, ...], stride_batch = 0) and the block table instead, with
+the sink as the exact region (see the shared kernel design in kvarn.attention.packed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvarn.attention.packed import KVarNPast, packed_attention
+from kvarn.attention.view import StoredKV
+from kvarn.integrations.vllm.pool import LayerPool, RequestPlan, StepPlan
+from kvarn.quant.base import Packed
+
+_NO_EXACT = torch.zeros(0, 3, dtype=torch.long)
+
+
+def _blocks_touched(p: RequestPlan, g: int) -> range:
+    return range(p.computed // g, -(-p.length // g))
+
+
+def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
+               layer: str) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """Store the step's key/value [T, H, D]; returns the exact rows (K, V [H, t, D]) of every block touched, keyed by
+    (request, logical block)."""
+    lay = pool.layout
+    g, fp = lay.tile, lay.fp_dtype
+    exact: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    done_k, done_v, done_blocks = [], [], []
+    for i, p in enumerate(plan.requests):
+        t0, t1 = p.rows
+        if t1 == t0:
+            continue
+        nc = p.computed
+        for j in _blocks_touched(p, g):
+            lo, hi = max(nc, j * g), min(p.length, (j + 1) * g)
+            fk = key[t0 + lo - nc:t0 + hi - nc].transpose(0, 1)  # [H, t, D]
+            fv = value[t0 + lo - nc:t0 + hi - nc].transpose(0, 1)
+            s = p.slots[j]
+            old = None
+            if j * g < nc:  # earlier rows of this block wait in its fp slot
+                old = pool.read_slot(s)  # [H, 2, G, D]
+                n_old = nc - j * g
+                fk = torch.cat([old[:, 0, :n_old].to(fk.dtype), fk], dim=1)
+                fv = torch.cat([old[:, 1, :n_old].to(fv.dtype), fv], dim=1)
+            exact[(i, j)] = (fk, fv)
+            if hi == (j + 1) * g:
+                done_k.append(fk)
+                done_v.append(fv)
+                done_blocks.append(p.blocks[j])
+            if s is not None:
+                slot = old if old is not None else torch.zeros(fk.shape[0], 2, g, lay.head_dim, dtype=fp)
+                slot[:, 0, :fk.shape[1]] = fk.to(fp)
+                slot[:, 1, :fv.shape[1]] = fv.to(fp)
+                pool.write_slot(s, slot)
+    if done_blocks:
+        _store_tiles(pool, torch.stack(done_k), torch.stack(done_v), done_blocks, layer)
+    return exact
+
+
+def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list[int], layer: str) -> None:
+    """k, v [n, H, G, D] complete tiles -> packed fields of blocks (quantized once, never again)."""
+    lay = pool.layout
+    n, h = k.shape[:2]
+    kp = lay.key_q.encode(k.flatten(0, 1))
+    vp = lay.value_q.encode(v.flatten(0, 1))
+    ok = torch.isfinite(k).flatten(2).all(2).flatten() & torch.isfinite(v).flatten(2).all(2).flatten()
+    ok = ok & kp.finite_tiles() & vp.finite_tiles()
+    if not ok.all():
+        bad = [blocks[t // h] for t in (~ok).nonzero().flatten().tolist()]
+        raise RuntimeError(f"kvarn: layer {layer}: non-finite keys/values or scale overflow in block(s) {bad}; the "
+                           "vLLM backend does not keep such tiles exact yet")
+    idx = torch.tensor(blocks, dtype=torch.long)
+    for fields, packed in ((pool.key_fields, kp), (pool.value_fields, vp)):
+        for name, view in fields.items():
+            view[idx] = packed[name].unflatten(0, (n, h))
+
+
+def past_view(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int,
+              dtype: torch.dtype) -> tuple[StoredKV, StoredKV] | None:
+    """Keys and values of logical blocks [0, j) as kvarn's attention reads them: exact sink blocks from their fp
+    slots (up to the first one whose exact copy was evicted), then packed tiles gathered through the block table."""
+    if j == 0:
+        return None
+    lay = pool.layout
+    sinks = []
+    for jj in range(min(j, sink_blocks)):
+        if p.slots[jj] is None:
+            break
+        sinks.append(pool.read_slot(p.slots[jj]))
+    ns = len(sinks)
+    if ns:
+        kv = torch.cat(sinks, dim=2).to(dtype)  # [H, 2, ns*G, D]
+        sink_k, sink_v = kv[None, :, 0], kv[None, :, 1]
+    else:
+        sink_k = sink_v = None
+    idx = torch.tensor(p.blocks[ns:j], dtype=torch.long)
+    h = pool.geo.num_kv_heads
+    views = []
+    for fields, q, sink in ((pool.key_fields, lay.key_q, sink_k), (pool.value_fields, lay.value_q, sink_v)):
+        packed = Packed({name: v[idx].transpose(0, 1)[None] for name, v in fields.items()}) if len(idx) else Packed()
+        views.append(StoredKV(sink, packed, len(idx), None, _NO_EXACT, None, q, (1, h, lay.head_dim), dtype))
+    return views[0], views[1]
+
+
+def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: torch.Tensor,
+                exact: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], scale: float,
+                softcap: float | None) -> None:
+    """query [T, Hq, D] -> output [T, Hq, D], request by request and query block by query block."""
+    g = pool.layout.tile
+    for i, p in enumerate(plan.requests):
+        t0, t1 = p.rows
+        if t1 == t0:
+            continue
+        nc = p.computed
+        for j in _blocks_touched(p, g):
+            lo, hi = max(nc, j * g), min(p.length, (j + 1) * g)
+            q = query[t0 + lo - nc:t0 + hi - nc].transpose(0, 1)[None]  # [1, Hq, L, D]
+            k, v = exact[(i, j)]
+            past = past_view(pool, p, j, plan.sink_blocks, query.dtype)
+            out = packed_attention(q, k[None], v[None], None if past is None else KVarNPast(*past), None, scale,
+                                   softcap)  # [1, L, Hq, D]
+            output[t0 + lo - nc:t0 + hi - nc] = out[0]

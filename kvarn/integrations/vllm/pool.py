@@ -1,0 +1,172 @@
+"""The full-precision pool: which vLLM blocks hold an exact copy, and the bytes of that copy in each layer.
+
+A block needs an fp slot while it is a sink block (logical block < sink / G, exact for good) or the block being
+filled (incomplete at the end of a step). Slots are assigned per physical block id, once per step for all layers
+(`SlotTable.plan`, called by the metadata builder), so prefix-cache sharing of sink blocks shares their slot too.
+
+Lifetimes, as the backend sees vLLM's blocks through the block tables:
+  * a block whose first token is written in this step holds new content: whatever slot it held is released first;
+  * a filling block that completes is quantized in this step and its slot released at the start of the next one
+    (this step's layers still read its exact rows);
+  * a sink block keeps its slot after its request ends, so a prefix-cache hit finds it exact;
+  * the backend is not told when a request ends, so the slot of its last (partial) block stays held until vLLM
+    reuses the block or the slot is needed: when none is free, the least recently used slot of a block that this
+    step does not touch is evicted. A later prefix-cache hit on an evicted sink block reads the block's packed copy
+    (every complete block is packed, sink blocks included), with a warning, and is counted (`lost_sink_reads`); a
+    running request whose filling block lost its slot (possible only if it went unscheduled for longer than the
+    pool's slack) stops with an error naming the fix, never a wrong answer.
+Capacity: `fp_slots` >= (sink blocks + 2) * max_num_seqs keeps every running sequence's blocks (the +2: a block
+completing and the next one being filled within one step).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from kvarn.integrations.vllm.layout import PageGeometry
+
+log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
+
+
+@dataclass
+class RequestPlan:
+    rows: tuple[int, int]  # this request's token rows in the batch
+    computed: int  # tokens already in the cache before this step
+    length: int  # tokens in the cache after this step
+    blocks: list[int]  # physical block id of each logical block 0 .. ceil(length / G) - 1
+    slots: list[int | None]  # fp slot of each logical block (None: read its packed form)
+
+
+@dataclass
+class StepPlan:
+    requests: list[RequestPlan]
+    tile: int
+    sink_blocks: int
+    lost_sinks: list[tuple[int, int]] = field(default_factory=list)  # (request index, logical block)
+
+
+class SlotTable:
+    """Block id -> fp slot, shared by every layer of one worker process."""
+
+    def __init__(self, n_slots: int, tile: int, sink_blocks: int) -> None:
+        self.n_slots, self.tile, self.sink_blocks = n_slots, tile, sink_blocks
+        self.slot_of: dict[int, int] = {}
+        self.sink: set[int] = set()  # blocks whose slot is a sink (kept after their request)
+        self.last_use: dict[int, int] = {}
+        self.free = list(range(n_slots - 1, -1, -1))
+        self.release_next: list[int] = []
+        self.step = 0
+        self.lost_sink_reads = 0  # prefix-cache hits on sink blocks whose exact copy was evicted
+        self.evictions = 0
+        self._warned = False
+
+    def _release(self, block: int) -> None:
+        s = self.slot_of.pop(block, None)
+        if s is not None:
+            self.free.append(s)
+        self.sink.discard(block)
+        self.last_use.pop(block, None)
+
+    def _take(self, block: int, in_use: set[int]) -> int:
+        if not self.free:
+            idle = [b for b in self.slot_of if b not in in_use]
+            if not idle:
+                raise RuntimeError(f"kvarn: all {self.n_slots} full-precision blocks are in use by running sequences; "
+                                   "raise additional_config kvarn.fp_slots or lower max_num_seqs")
+            victim = min(idle, key=lambda b: self.last_use.get(b, -1))
+            self._release(victim)
+            self.evictions += 1
+        s = self.free.pop()
+        self.slot_of[block] = s
+        return s
+
+    def plan(self, rows: list[tuple[int, int]], computed: list[int], lengths: list[int],
+             block_rows: list[list[int]]) -> StepPlan:
+        """One step: assign slots for every request (lists indexed by request)."""
+        self.step += 1
+        for b in self.release_next:
+            if b not in self.sink:
+                self._release(b)
+        self.release_next = []
+        g, sb = self.tile, self.sink_blocks
+        in_use: set[int] = set()
+        # blocks read as past this step must not be evicted by this step's allocations
+        for nc, bt in zip(computed, block_rows):
+            in_use.update(bt[:min(nc // g, sb)])
+            if nc % g:
+                in_use.add(bt[nc // g])
+        plans = []
+        for i, (nc, n, bt) in enumerate(zip(computed, lengths, block_rows)):
+            slots: list[int | None] = [None] * len(bt)
+            for j in range(nc // g, len(bt)):  # written this step
+                b = bt[j]
+                in_use.add(b)
+                if j * g >= nc:  # its first token is new: new content
+                    self._release(b)
+                complete = (j + 1) * g <= n
+                if j < sb or not complete:
+                    if b not in self.slot_of:
+                        if j * g < nc:
+                            raise RuntimeError(f"kvarn: block {b} (logical {j}) was partly filled in an earlier step "
+                                               "but its full-precision slot was evicted while its request was not "
+                                               "scheduled; raise additional_config kvarn.fp_slots")
+                        self._take(b, in_use)
+                    if j < sb:
+                        self.sink.add(b)
+                elif b in self.slot_of:  # a filling block completes: its exact rows are read this step
+                    self.release_next.append(b)
+                slots[j] = self.slot_of.get(b)
+                self.last_use[b] = self.step
+            plans.append(RequestPlan(rows[i], nc, n, bt, slots))
+        plan = StepPlan(plans, g, sb)
+        for i, p in enumerate(plans):  # sink blocks read as past
+            for j in range(min(p.computed // g, sb)):
+                b = p.blocks[j]
+                s = self.slot_of.get(b) if b in self.sink else None
+                p.slots[j] = s
+                if s is None:
+                    plan.lost_sinks.append((i, j))
+                    self.lost_sink_reads += 1
+                    if not self._warned:
+                        self._warned = True
+                        log.warning("kvarn: a prefix-cache hit on sink block %d found its exact copy evicted from the "
+                                    "full-precision pool; its packed copy is read instead (raise kvarn.fp_slots to "
+                                    "keep more sinks)", b)
+                else:
+                    self.last_use[b] = self.step
+        return plan
+
+
+class LayerPool:
+    """One layer's page bytes: packed runs and fp slots, over vLLM's uint8 view [num_blocks, H, G, C]."""
+
+    def __init__(self, kv_cache: torch.Tensor, geo: PageGeometry) -> None:
+        lay = geo.layout
+        nb, h, g, c = kv_cache.shape
+        if kv_cache.dtype != torch.uint8 or (h, g, c) != (geo.num_kv_heads, lay.tile, geo.c):
+            raise ValueError(f"kvarn: the layer's KV cache is {kv_cache.dtype} {tuple(kv_cache.shape)}, expected uint8 "
+                             f"[num_blocks, {geo.num_kv_heads}, {lay.tile}, {geo.c}]")
+        self.geo, self.layout = geo, lay
+        self.runs = kv_cache.flatten(2)  # [num_blocks, H, G*C]: a view (N and C are contiguous inside a head)
+        split = lay.tile * lay.c0
+        self.packed = self.runs[:, :, :split]
+        self.k = geo.blocks_per_slot
+        self.n_slots = nb // self.k
+        self.share = self.runs[:, :, split:split + lay.tile * geo.e]  # [num_blocks, H, G*e]
+        self.key_fields, self.value_fields = lay.views(self.runs)  # name -> [num_blocks, H, *shape], zero copy
+
+    def read_slot(self, s: int) -> torch.Tensor:
+        """[H, 2, G, D] (K, V) of fp slot s, a copy in the fp dtype."""
+        lay = self.layout
+        pieces = self.share[s * self.k:(s + 1) * self.k]  # [k, H, G*e]
+        h = pieces.shape[1]
+        return pieces.transpose(0, 1).reshape(h, -1).view(lay.fp_dtype).view(h, 2, lay.tile, lay.head_dim)
+
+    def write_slot(self, s: int, kv: torch.Tensor) -> None:
+        """kv [H, 2, G, D] in the fp dtype -> fp slot s."""
+        h = kv.shape[0]
+        raw = kv.contiguous().view(torch.uint8).view(h, self.k, -1)  # [H, k, G*e]
+        self.share[s * self.k:(s + 1) * self.k] = raw.transpose(0, 1)
