@@ -25,10 +25,11 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter does not compile")
     import triton
+    from triton.backends.compiler import GPUTarget
+
     from kvarn.kernels.triton.kernels.decode import decode_split_kernel
     from kvarn.kernels.triton.kernels.store import store_tiles_kernel
     from kvarn.kernels.triton.ops import NUM_WARPS
-    from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", args.arch, 32)
 

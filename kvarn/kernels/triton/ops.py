@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-
 import triton
+
 from kvarn.kernels.triton.kernels.codes import pack_kernel, unpack_kernel
 from kvarn.kernels.triton.kernels.decode import decode_split_kernel
 from kvarn.kernels.triton.kernels.store import store_tiles_kernel

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 from kvarn.kernels.triton.kernels.codes import load_codes
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 from kvarn.kernels.triton.kernels.codes import pack_codes
 
 STD_LO = tl.constexpr(1e-3)
