@@ -44,7 +44,9 @@ def plain_decode_kl(folder: str, text: str, preset: str, n: int, sink: int,
     model, tok = load_model(folder)
     ids = load_tokens(tok, text, n)
     ref_cache = DynamicCache(config=model.config)
-    cache = KVarNCache(model.config, preset, sink=sink, exact_dtype=exact_dtype)
+    # the reference read path (dequantize, then the model's SDPA), as `kvarn eval decode --attention sdpa`: with an
+    # exact sink, the same arithmetic as the DynamicCache run until a tile is quantized
+    cache = KVarNCache(model.config, preset, sink=sink, exact_dtype=exact_dtype, attention="reference")
     kls, same = [], []
     with torch.no_grad():
         for p in range(n):

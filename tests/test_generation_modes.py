@@ -122,7 +122,9 @@ def test_assisted_and_prompt_lookup(real_model, text_ids, assistant, preset, mon
     verification steps of 6 tokens complete tile [64, 128) and the crops cut into it. Those crops are exact (no
     token restored from a dequantized tile), so greedy tokens equal plain greedy decoding with the same preset and
     the logits agree (tolerance 1e-2: the tile is quantized from K/V computed in a verification chunk instead of one
-    token at a time, float32 rounding apart, so a code may flip; module docstring)."""
+    token at a time, float32 rounding apart, so a code may flip; module docstring). The cut into a tile is asserted
+    for the assistant, which always drafts; prompt lookup drafts only where the text repeats itself (on the default
+    text: once, a crop within the tail)."""
     model, _ = real_model
     ids = text_ids[:, :122]
     plain = generate(model, ids, KVarNCache(model.config, preset, sink=0), 8)
@@ -139,7 +141,9 @@ def test_assisted_and_prompt_lookup(real_model, text_ids, assistant, preset, mon
         crops.clear()
         cache = KVarNCache(model.config, preset, sink=0)
         out = generate(model, ids, cache, 8, **kw)
-        assert any(length - n < start for length, n, start in crops), crops  # a crop cut into a tile
+        assert crops, kw
+        if "assistant_model" in kw:  # it always drafts 5; prompt lookup drafts only where an n-gram of the text recurs
+            assert any(length - n < start for length, n, start in crops), crops  # a crop cut into a tile
         assert sum(s.stats.restored_tokens for s in stores(cache)) == 0
         assert torch.equal(out.sequences, plain.sequences), kw
         a, b = torch.stack(out.logits, 1), torch.stack(plain.logits, 1)

@@ -92,9 +92,9 @@ def _filled_store(preset: str, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor
         if len(ts.exact_index) or (ts.tail is not None and ts.tail.shape[2]):
             raise ValueError("repeating tiles needs a block of whole, finite tiles")
         reps = -(-n // ts.n_tiles)
-        ts.packed = Packed({name: f.repeat(1, 1, reps, *[1] * (f.dim() - 3))[:, :, :n]
-                            for name, f in ts.packed.fields.items()})
-        ts.n_tiles, ts.tail, ts.length = n, x[:1, :, sink + n * g:], t
+        ts._packed.replace(Packed({name: f.repeat(1, 1, reps, *[1] * (f.dim() - 3))[:, :, :n]
+                                   for name, f in ts.packed.fields.items()}))
+        ts.tail, ts.length = x[:1, :, sink + n * g:].clone(), t
     index = torch.zeros(b, dtype=torch.long)
     store.keys.index_batch(index)
     store.values.index_batch(index)

@@ -85,8 +85,8 @@ class Engine:
         kd, vd = k.clone(), v.clone()
         for j in range(self.sink_blocks, t // G):  # complete non-sink blocks as stored
             sl = slice(j * G, (j + 1) * G)
-            for full, dq, q in ((k, kd, self.lay.key_q), (v, vd, self.lay.value_q)):
-                dq[sl] = q.decode(q.encode(full[sl].transpose(0, 1).float())).double().transpose(0, 1)
+            for full, dq, quant in ((k, kd, self.lay.key_q), (v, vd, self.lay.value_q)):
+                dq[sl] = quant.decode(quant.encode(full[sl].transpose(0, 1).float())).double().transpose(0, 1)
         out = torch.zeros(t - first, HQ, D, dtype=torch.float64)
         for p in range(first, t):
             j = p // G
