@@ -5,10 +5,10 @@ Hypothesis is derandomized (tests/conftest.py), so CI cannot fail by chance."""
 from __future__ import annotations
 
 import pytest
+from conftest import tiny_model_folder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_model_folder
 from kvarn.cli import main
 from kvarn.presets import preset_names
 
