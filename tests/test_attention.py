@@ -245,9 +245,9 @@ def test_fully_masked_rows_give_zero_like_sdpa(seed):
     torch.testing.assert_close(out, sdpa, atol=1e-6, rtol=1e-5)
 
 
-def test_exact_tiles_non_finite(seed):
-    """A NaN in one stored tile of one (row, head): that tile is kept exact; only that head's outputs become
-    NaN (as full-precision attention would), every other head still matches the oracle."""
+def nonfinite_case(seed: int):
+    """A NaN key tile (row 1, head 0; its value tile packed) and an Inf value tile (row 0, head 1; its key tile
+    packed), sink 0, tiles of 64: (q, fresh k, fresh v, past, mask, float64 oracle, [B, Hq] heads that read them)."""
     gen = torch.Generator().manual_seed(seed)
     t, d = 3 * 64 + 10, 64
     k, v = torch.randn(2, 2, t, d, generator=gen), torch.randn(2, 2, t, d, generator=gen)
@@ -258,12 +258,18 @@ def test_exact_tiles_non_finite(seed):
     q, kn, vn = torch.randn(2, 4, 1, d, generator=gen), torch.randn(2, 2, 1, d, generator=gen), \
         torch.randn(2, 2, 1, d, generator=gen)
     ok = padding_mask([0, 0], 1, t + 1)
-    ref = oracle(q, kn, vn, past, ok, d ** -0.5)
-    out = packed_attention(q.double(), kn, vn, past, ok)
-    torch.testing.assert_close(out, ref, equal_nan=True, atol=1e-9, rtol=1e-9)
     bad = torch.zeros(2, 4, dtype=torch.bool)
     bad[1, 0:2] = True  # query heads of KV head 0, row 1
     bad[0, 2:4] = True
+    return q, kn, vn, past, ok, oracle(q, kn, vn, past, ok, d ** -0.5), bad
+
+
+def test_exact_tiles_non_finite(seed):
+    """A NaN in one stored tile of one (row, head): that tile is kept exact; only that head's outputs become
+    NaN (as full-precision attention would), every other head still matches the oracle."""
+    q, kn, vn, past, ok, ref, bad = nonfinite_case(seed)
+    out = packed_attention(q.double(), kn, vn, past, ok)
+    torch.testing.assert_close(out, ref, equal_nan=True, atol=1e-9, rtol=1e-9)
     assert (~out[:, 0].isfinite()).any(-1).eq(bad).all()
 
 

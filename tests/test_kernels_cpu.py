@@ -22,7 +22,7 @@ import warnings
 import pytest
 import torch
 from reference.data import heavy_tailed, real_kv
-from test_attention import EPS32, build_past, dequant_f64, logit_l1, make_inputs, oracle, padding_mask
+from test_attention import EPS32, build_past, dequant_f64, logit_l1, make_inputs, nonfinite_case, oracle, padding_mask
 
 import kvarn.kernels.cpu.build as build_mod
 from kvarn.attention import KVarNPast, packed_attention
@@ -152,21 +152,9 @@ def test_softcap_float_mask_and_scaling(seed, monkeypatch):
 def test_exact_tiles_non_finite(seed):
     """A NaN key tile (its value tile packed) and an Inf value tile (its key tile packed): the tile is exact for both;
     only the heads that read them become NaN, every other head matches the oracle."""
-    gen = torch.Generator().manual_seed(seed)
-    t, d = 3 * 64 + 10, 64
-    k, v = torch.randn(2, 2, t, d, generator=gen), torch.randn(2, 2, t, d, generator=gen)
-    k[1, 0, 70] = float("nan")  # tile 1 of row 1, head 0 (sink 0)
-    v[0, 1, 5] = float("inf")  # tile 0 of row 0, head 1
-    past = build_past("kvarn-k2v2-g64", k, v, sink=0)
-    assert past.keys.exact_index.tolist() == [[1, 0, 1]] and past.values.exact_index.tolist() == [[0, 1, 0]]
-    q, kn, vn = torch.randn(2, 4, 1, d, generator=gen), torch.randn(2, 2, 1, d, generator=gen), \
-        torch.randn(2, 2, 1, d, generator=gen)
-    ok = padding_mask([0, 0], 1, t + 1)
-    ref = oracle(q, kn, vn, past, ok, d ** -0.5)
+    q, kn, vn, past, ok, ref, bad = nonfinite_case(seed)
+    d = q.shape[-1]
     out = packed_attention(q, kn, vn, past, ok)
-    bad = torch.zeros(2, 4, dtype=torch.bool)
-    bad[1, 0:2] = True
-    bad[0, 2:4] = True
     assert (~out[:, 0].isfinite()).any(-1).eq(bad).all()
     good = ~bad.unsqueeze(1).unsqueeze(-1).expand_as(out)
     finite = torch.nan_to_num(dequant_f64(past.values), nan=0.0, posinf=0.0, neginf=0.0)

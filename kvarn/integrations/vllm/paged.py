@@ -30,8 +30,17 @@ from kvarn.quant.base import Packed
 _NO_EXACT = torch.zeros(0, 3, dtype=torch.long)
 
 
-def _blocks_touched(p: RequestPlan, g: int) -> range:
-    return range(p.computed // g, -(-p.length // g))
+def _pieces(plan: StepPlan, g: int):
+    """(request index, request, logical block j, rows of the step's [T, ...] tensors that fall in block j, position
+    after the last of them) for every block a step touches."""
+    for i, p in enumerate(plan.requests):
+        t0, t1 = p.rows
+        if t1 == t0:
+            continue
+        nc = p.computed
+        for j in range(nc // g, -(-p.length // g)):
+            lo, hi = max(nc, j * g), min(p.length, (j + 1) * g)
+            yield i, p, j, slice(t0 + lo - nc, t0 + hi - nc), hi
 
 
 def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
@@ -42,32 +51,27 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
     g, fp = lay.tile, lay.fp_dtype
     exact: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     done_k, done_v, done_blocks = [], [], []
-    for i, p in enumerate(plan.requests):
-        t0, t1 = p.rows
-        if t1 == t0:
-            continue
+    for i, p, j, rows, hi in _pieces(plan, g):
         nc = p.computed
-        for j in _blocks_touched(p, g):
-            lo, hi = max(nc, j * g), min(p.length, (j + 1) * g)
-            fk = key[t0 + lo - nc:t0 + hi - nc].transpose(0, 1)  # [H, t, D]
-            fv = value[t0 + lo - nc:t0 + hi - nc].transpose(0, 1)
-            s = p.slots[j]
-            old = None
-            if j * g < nc:  # earlier rows of this block wait in its fp slot
-                old = pool.read_slot(s)  # [H, 2, G, D]
-                n_old = nc - j * g
-                fk = torch.cat([old[:, 0, :n_old].to(fk.dtype), fk], dim=1)
-                fv = torch.cat([old[:, 1, :n_old].to(fv.dtype), fv], dim=1)
-            exact[(i, j)] = (fk, fv)
-            if hi == (j + 1) * g:
-                done_k.append(fk)
-                done_v.append(fv)
-                done_blocks.append(p.blocks[j])
-            if s is not None:
-                slot = old if old is not None else torch.zeros(fk.shape[0], 2, g, lay.head_dim, dtype=fp)
-                slot[:, 0, :fk.shape[1]] = fk.to(fp)
-                slot[:, 1, :fv.shape[1]] = fv.to(fp)
-                pool.write_slot(s, slot)
+        fk = key[rows].transpose(0, 1)  # [H, t, D]
+        fv = value[rows].transpose(0, 1)
+        s = p.slots[j]
+        old = None
+        if j * g < nc:  # earlier rows of this block wait in its fp slot
+            old = pool.read_slot(s)  # [H, 2, G, D]
+            n_old = nc - j * g
+            fk = torch.cat([old[:, 0, :n_old].to(fk.dtype), fk], dim=1)
+            fv = torch.cat([old[:, 1, :n_old].to(fv.dtype), fv], dim=1)
+        exact[(i, j)] = (fk, fv)
+        if hi == (j + 1) * g:
+            done_k.append(fk)
+            done_v.append(fv)
+            done_blocks.append(p.blocks[j])
+        if s is not None:
+            slot = old if old is not None else torch.zeros(fk.shape[0], 2, g, lay.head_dim, dtype=fp)
+            slot[:, 0, :fk.shape[1]] = fk.to(fp)
+            slot[:, 1, :fv.shape[1]] = fv.to(fp)
+            pool.write_slot(s, slot)
     if done_blocks:
         _store_tiles(pool, torch.stack(done_k), torch.stack(done_v), done_blocks, layer)
     return exact
@@ -123,16 +127,10 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
                 softcap: float | None) -> None:
     """query [T, Hq, D] -> output [T, Hq, D], request by request and query block by query block."""
     g = pool.layout.tile
-    for i, p in enumerate(plan.requests):
-        t0, t1 = p.rows
-        if t1 == t0:
-            continue
-        nc = p.computed
-        for j in _blocks_touched(p, g):
-            lo, hi = max(nc, j * g), min(p.length, (j + 1) * g)
-            q = query[t0 + lo - nc:t0 + hi - nc].transpose(0, 1)[None]  # [1, Hq, L, D]
-            k, v = exact[(i, j)]
-            past = past_view(pool, p, j, plan.sink_blocks, query.dtype)
-            out = packed_attention(q, k[None], v[None], None if past is None else KVarNPast(*past), None, scale,
-                                   softcap)  # [1, L, Hq, D]
-            output[t0 + lo - nc:t0 + hi - nc] = out[0]
+    for i, p, j, rows, _ in _pieces(plan, g):
+        q = query[rows].transpose(0, 1)[None]  # [1, Hq, L, D]
+        k, v = exact[(i, j)]
+        past = past_view(pool, p, j, plan.sink_blocks, query.dtype)
+        out = packed_attention(q, k[None], v[None], None if past is None else KVarNPast(*past), None, scale,
+                               softcap)  # [1, L, Hq, D]
+        output[rows] = out[0]
