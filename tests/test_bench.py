@@ -144,13 +144,9 @@ def test_targets_met_missed_and_not_measured():
 
 
 def test_held_bytes_counts_shared_storage_once():
-    """Views of one storage count once; kvarn.cache.memory's counter when present, else the bench's walker."""
-    import warnings
-
+    """Views of one storage count once (the bench counts through kvarn.cache.memory)."""
     from kvarn.bench.footprint import held_bytes
 
     x = torch.zeros(1000)
     holder = {"a": x, "b": x[10:20], "c": [x.view(10, 100)], "d": torch.ones(5, dtype=torch.float64)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the walker's once-only notice that the shared counter is absent
-        assert held_bytes(holder) == 1000 * 4 + 5 * 8
+    assert held_bytes(holder) == 1000 * 4 + 5 * 8

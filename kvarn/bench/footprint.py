@@ -17,51 +17,12 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-_WARNED: list[bool] = []
-
 
 def held_bytes(obj) -> int:
-    """Bytes of the unique tensor storages reachable from obj: `kvarn.cache.memory.held_bytes` when present."""
-    try:
-        from kvarn.cache.memory import held_bytes as shared
-    except ImportError:
-        if not _WARNED:
-            _WARNED.append(True)
-            warnings.warn("kvarn bench: kvarn.cache.memory is not available; counting reachable tensor storages "
-                          "with the bench's own walker", stacklevel=2)
-        return _reachable_bytes(obj)
-    return shared(obj)
+    """Bytes of the unique tensor storages reachable from obj (quanto/HQQ wrapper tensors through their inner ones)."""
+    from kvarn.cache.memory import held_bytes as reachable
 
-
-def _tensors(obj, seen: set[int]):
-    """Tensors reachable from obj through attributes, containers and tensor subclasses' inner tensors."""
-    if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.dtype, torch.device)):
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        if hasattr(obj, "__tensor_flatten__") and type(obj) not in (torch.Tensor, torch.nn.Parameter):
-            for name in obj.__tensor_flatten__()[0]:  # quanto QTensor and other wrapper subclasses
-                yield from _tensors(getattr(obj, name), seen)
-        else:
-            yield obj
-        return
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v, seen)
-    elif isinstance(obj, (list, tuple, set)):
-        for v in obj:
-            yield from _tensors(v, seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and not callable(obj):
-        for v in getattr(obj, "__dict__", {}).values():
-            yield from _tensors(v, seen)
-
-
-def _reachable_bytes(obj) -> int:
-    storages: dict[int, int] = {}
-    for t in _tensors(obj, set()):
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
+    return reachable(obj)
 
 
 def _rss() -> int:

@@ -42,7 +42,8 @@ def _children(obj: object) -> list[object]:
 
 def reachable_storages(obj: object) -> dict[tuple[str, int], int]:
     """{(device, data_ptr): nbytes} of the unique tensor storages reachable from `obj` (attributes, dicts,
-    lists, tuples, dataclasses, bound methods and closures; module globals are not followed)."""
+    lists, tuples, dataclasses, bound methods and closures; module globals are not followed). Wrapper tensor
+    subclasses (`__tensor_flatten__`, e.g. quanto's packed tensors) count through their inner tensors."""
     seen: set[int] = set()
     found: dict[tuple[str, int], int] = {}
     stack = [obj]
@@ -52,9 +53,14 @@ def reachable_storages(obj: object) -> dict[tuple[str, int], int]:
             continue
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
-            s = o.untyped_storage()
-            if s.nbytes():
-                found[(str(o.device), s.data_ptr())] = s.nbytes()
+            flatten = getattr(o, "__tensor_flatten__", None)
+            if flatten is not None:  # a wrapper subclass (quanto, HQQ): its data lives in its inner tensors
+                names, _ = flatten()
+                stack.extend(getattr(o, n) for n in names)
+            else:
+                s = o.untyped_storage()
+                if s.nbytes():
+                    found[(str(o.device), s.data_ptr())] = s.nbytes()
             stack.extend(_children(o))  # attributes attached to a tensor (a past handed to attention)
             continue
         stack.extend(_children(o))
