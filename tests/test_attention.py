@@ -170,8 +170,7 @@ def test_auto_rotation_mixed_flags(seed):
     """kvarn-auto with heads that favour opposite choices: outlier channels (plain) and heavy tails (rotated)."""
     gen = torch.Generator().manual_seed(seed)
     t, d = 8 + 4 * 64 + 9, 64
-    outliers = torch.randn(1, 1, t, d, generator=gen) * torch.where(torch.arange(d) < 3, 30.0, 1.0)
-    heavy = heavy_tailed(1, 1, t, d, generator=gen, df=2).float()
+    outliers, heavy = opposite_heads(gen, t, d)
     k = torch.cat([outliers, heavy], dim=1)
     v = make_inputs("heavy", 1, 2, t, d, gen)
     past = build_past("kvarn-auto-k2v2-g64", k, v, sink=8)
@@ -222,8 +221,7 @@ def test_masks_none_float_and_softcap(seed):
     gen = torch.Generator().manual_seed(seed)
     t, d = 8 + 2 * 64 + 5, 64
     past = build_past("kvarn-k2v2-g64", make_inputs("gauss", 1, 2, t, d, gen), make_inputs("gauss", 1, 2, t, d, gen), 8)
-    q, kn, vn = torch.randn(1, 6, 4, d, generator=gen), torch.randn(1, 2, 4, d, generator=gen), \
-        torch.randn(1, 2, 4, d, generator=gen)
+    q, kn, vn = fresh(gen, 1, 6, 2, 4, d)
     ok = padding_mask([0], 4, t + 4)
     check(q, kn, vn, past, ok, mask=None)
     additive = torch.zeros(ok.shape).masked_fill(~ok, torch.finfo(torch.float32).min)
@@ -235,14 +233,26 @@ def test_masks_none_float_and_softcap(seed):
 def test_fully_masked_rows_give_zero_like_sdpa(seed):
     gen = torch.Generator().manual_seed(seed)
     d = 64
-    q, k, v = torch.randn(1, 3, 3, d, generator=gen), torch.randn(1, 1, 3, d, generator=gen), \
-        torch.randn(1, 1, 3, d, generator=gen)
+    q, k, v = fresh(gen, 1, 3, 1, 3, d)
     ok = torch.tensor([[False, False, False], [True, False, False], [True, True, True]]).view(1, 1, 3, 3)
     out = packed_attention(q, k, v, None, ok)
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k.expand(1, 3, 3, d), v.expand(1, 3, 3, d),
                                                             attn_mask=ok).transpose(1, 2)
     assert torch.all(out[:, 0] == 0)
     torch.testing.assert_close(out, sdpa, atol=1e-6, rtol=1e-5)
+
+
+def fresh(gen: torch.Generator, b: int, hq: int, hkv: int, length: int, d: int):
+    """Gaussian queries [B, Hq, L, D] and fresh keys and values [B, Hkv, L, D] (drawn in that order)."""
+    return (torch.randn(b, hq, length, d, generator=gen), torch.randn(b, hkv, length, d, generator=gen),
+            torch.randn(b, hkv, length, d, generator=gen))
+
+
+def opposite_heads(gen: torch.Generator, t: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two [1, 1, t, D] heads that favour opposite rotation choices under kvarn-auto: 3 outlier channels (x30; the
+    plain basis keeps them in their own per-channel ranges) and heavy tails (Student-t, df 2; the rotation spreads)."""
+    outliers = torch.randn(1, 1, t, d, generator=gen) * torch.where(torch.arange(d) < 3, 30.0, 1.0)
+    return outliers, heavy_tailed(1, 1, t, d, generator=gen, df=2).float()
 
 
 def nonfinite_case(seed: int):
@@ -255,8 +265,7 @@ def nonfinite_case(seed: int):
     v[0, 1, 5] = float("inf")  # tile 0 of row 0, head 1
     past = build_past("kvarn-k2v2-g64", k, v, sink=0)
     assert past.keys.exact_index.tolist() == [[1, 0, 1]] and past.values.exact_index.tolist() == [[0, 1, 0]]
-    q, kn, vn = torch.randn(2, 4, 1, d, generator=gen), torch.randn(2, 2, 1, d, generator=gen), \
-        torch.randn(2, 2, 1, d, generator=gen)
+    q, kn, vn = fresh(gen, 2, 4, 2, 1, d)
     ok = padding_mask([0, 0], 1, t + 1)
     bad = torch.zeros(2, 4, dtype=torch.bool)
     bad[1, 0:2] = True  # query heads of KV head 0, row 1
@@ -280,8 +289,7 @@ def test_chunking_gives_the_same_result(seed, monkeypatch):
     k, v = make_inputs("heavy", 1, 2, t, d, gen), make_inputs("heavy", 1, 2, t, d, gen)
     for preset in ("kvarn-auto-k2v2-g64", "quarot-k2v2"):
         past = build_past(preset, k, v, sink=16)
-        q, kn, vn = torch.randn(1, 6, 9, d, generator=gen), torch.randn(1, 2, 9, d, generator=gen), \
-            torch.randn(1, 2, 9, d, generator=gen)
+        q, kn, vn = fresh(gen, 1, 6, 2, 9, d)
         ok = padding_mask([0], 9, t + 9)
         whole = packed_attention(q.double(), kn, vn, past, ok)
         monkeypatch.setattr(packed_mod, "TILE_CHUNK_ELEMENTS", 2 * 64 * 64 * 20)
@@ -297,8 +305,7 @@ def test_reference_module_matches_oracle(seed):
     gen = torch.Generator().manual_seed(seed)
     t, d = 8 + 2 * 64 + 3, 64
     past = build_past("kvarn-k2v2-g64", make_inputs("heavy", 1, 2, t, d, gen), make_inputs("gauss", 1, 2, t, d, gen), 8)
-    q, kn, vn = torch.randn(1, 6, 2, d, generator=gen), torch.randn(1, 2, 2, d, generator=gen), \
-        torch.randn(1, 2, 2, d, generator=gen)
+    q, kn, vn = fresh(gen, 1, 6, 2, 2, d)
     ok = padding_mask([0], 2, t + 2)
     ref = oracle(q, kn, vn, past, ok, d ** -0.5)
     got = reference_from_past(q, kn, vn, past, ok)
@@ -311,8 +318,7 @@ def test_attention_function_without_past_is_sdpa(seed):
     gen = torch.Generator().manual_seed(seed)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True
-    q, k, v = torch.randn(2, 6, 7, 64, generator=gen), torch.randn(2, 2, 7, 64, generator=gen), \
-        torch.randn(2, 2, 7, 64, generator=gen)
+    q, k, v = fresh(gen, 2, 6, 2, 7, 64)
     ok = padding_mask([0, 2], 7, 7)
     out, w = kvarn_attention_forward(module, q, k, v, ok, scaling=0.125)
     assert w is None

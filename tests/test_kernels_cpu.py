@@ -22,7 +22,18 @@ import warnings
 import pytest
 import torch
 from reference.data import heavy_tailed, real_kv
-from test_attention import EPS32, build_past, dequant_f64, logit_l1, make_inputs, nonfinite_case, oracle, padding_mask
+from test_attention import (
+    EPS32,
+    build_past,
+    dequant_f64,
+    fresh,
+    logit_l1,
+    make_inputs,
+    nonfinite_case,
+    opposite_heads,
+    oracle,
+    padding_mask,
+)
 
 import kvarn.kernels.cpu.build as build_mod
 from kvarn.attention import KVarNPast, packed_attention
@@ -97,8 +108,7 @@ def test_auto_rotation_mixed_flags(seed):
     """kvarn-auto with heads that favour opposite choices: both rotated and plain key and value tiles."""
     gen = torch.Generator().manual_seed(seed)
     t, d = 8 + 6 * 64 + 9, 64
-    outliers = torch.randn(1, 1, t, d, generator=gen) * torch.where(torch.arange(d) < 3, 30.0, 1.0)
-    heavy = heavy_tailed(1, 1, t, d, generator=gen, df=2).float()
+    outliers, heavy = opposite_heads(gen, t, d)
     k = torch.cat([outliers, heavy], dim=1)
     v = torch.cat([heavy_tailed(1, 1, t, d, generator=gen, df=2).float(), outliers * 0.1], dim=1)
     past = build_past("kvarn-auto-k2v2-g64", k, v, sink=8)
@@ -132,8 +142,7 @@ def test_softcap_float_mask_and_scaling(seed, monkeypatch):
     gen = torch.Generator().manual_seed(seed)
     t, d = 8 + 2 * 64 + 5, 64
     past = build_past("kvarn-k2v2-g64", make_inputs("gauss", 1, 2, t, d, gen), make_inputs("gauss", 1, 2, t, d, gen), 8)
-    q, kn, vn = torch.randn(1, 6, 4, d, generator=gen), torch.randn(1, 2, 4, d, generator=gen), \
-        torch.randn(1, 2, 4, d, generator=gen)
+    q, kn, vn = fresh(gen, 1, 6, 2, 4, d)
     ok = padding_mask([0], 4, t + 4)
     check_kernel(q, kn, vn, past, ok, mask=None)  # None = causal
     additive = torch.zeros(ok.shape).masked_fill(~ok, torch.finfo(torch.float32).min)
@@ -271,8 +280,7 @@ def test_torch_path_stays_reachable(seed, monkeypatch):
     gen = torch.Generator().manual_seed(seed)
     t, d = 8 + 3 * 64 + 3, 64
     past = build_past("kvarn-k2v2-g64", make_inputs("gauss", 1, 3, t, d, gen), make_inputs("gauss", 1, 3, t, d, gen), 8)
-    q, kn, vn = torch.randn(1, 9, 1, d, generator=gen), torch.randn(1, 3, 1, d, generator=gen), \
-        torch.randn(1, 3, 1, d, generator=gen)
+    q, kn, vn = fresh(gen, 1, 9, 3, 1, d)
     fast = packed_attention(q, kn, vn, past)
     monkeypatch.setenv("KVARN_KERNEL", "torch")
     slow = packed_attention(q, kn, vn, past)

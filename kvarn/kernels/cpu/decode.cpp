@@ -370,6 +370,21 @@ struct Scratch {
                                          z(std::max(D, G)), col(std::max(D, G)), pz(M) {}
 };
 
+// The per-row scale a and zero z of a tile folded into the left operand of its code matmul, for M rows x of length
+// n (leading dimension ldx): w[m, i] = x[m, i] a[i] and zsum[m] = sum_i x[m, i] z[i] (the zero's whole contribution).
+static inline void fold_rows(const float* x, int ldx, const float* a, const float* z, int M, int n, float* w,
+                             float* zsum) {
+  for (int m = 0; m < M; ++m) {
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < n; ++i) {
+      w[m * n + i] = x[m * ldx + i] * a[i];
+      acc += x[m * ldx + i] * z[i];
+    }
+    zsum[m] = acc;
+  }
+}
+
 void packed_tile(const Job& J, int64_t b, int64_t h, int64_t blk, State& st, Scratch& sc, int64_t pos,
                  const float* qp, const float* qr) {
   const int M = J.M, D = J.D, G = J.G;
@@ -381,15 +396,7 @@ void packed_tile(const Job& J, int64_t b, int64_t h, int64_t blk, State& st, Scr
   K.a.floats(b, h, blk, D, sc.a.data());
   K.z.floats(b, h, blk, D, sc.z.data());
   std::vector<float>& c0 = sc.t;  // M values, reused
-  for (int m = 0; m < M; ++m) {
-    float zsum = 0.f;
-#pragma omp simd reduction(+ : zsum)
-    for (int d = 0; d < D; ++d) {
-      sc.w[m * D + d] = q[m * D + d] * sc.a[d];
-      zsum += q[m * D + d] * sc.z[d];
-    }
-    c0[m] = zsum;
-  }
+  fold_rows(q, D, sc.a.data(), sc.z.data(), M, D, sc.w.data(), c0.data());
   codes_mm(K.bits, reinterpret_cast<const uint8_t*>(K.codes.at(b, h, blk)), D, G, sc.w.data(), D, M, s, ss);
   if (K.col.present()) K.col.floats(b, h, blk, G, sc.col.data());
   for (int m = 0; m < M; ++m) {
@@ -407,15 +414,7 @@ void packed_tile(const Job& J, int64_t b, int64_t h, int64_t blk, State& st, Scr
   V.a.floats(b, h, blk, G, sc.a.data());
   V.z.floats(b, h, blk, G, sc.z.data());
   float* pz = sc.pz.data();
-  for (int m = 0; m < M; ++m) {
-    float zs = 0.f;
-#pragma omp simd reduction(+ : zs)
-    for (int g = 0; g < G; ++g) {
-      sc.w[m * G + g] = s[m * ss + g] * sc.a[g];
-      zs += s[m * ss + g] * sc.z[g];
-    }
-    pz[m] = zs;
-  }
+  fold_rows(s, ss, sc.a.data(), sc.z.data(), M, G, sc.w.data(), pz);
   codes_mm(V.bits, reinterpret_cast<const uint8_t*>(V.codes.at(b, h, blk)), G, D, sc.w.data(), G, M, sc.t.data(), D);
   const bool vc = V.col.present();
   if (vc) V.col.floats(b, h, blk, D, sc.col.data());
