@@ -19,7 +19,7 @@ def prepare_model(model, attention: str = "packed") -> None:
 
 def make_cache(model, preset: Preset | str, sink: int | None = None, **kwargs):
     """A KVarNCache for `model`, on the read path `prepare_model` chose (packed by default)."""
-    from kvarn.cache.hf import KVarNCache
+    from kvarn.integrations.transformers import KVarNCache
 
     if getattr(model, "kvarn_attention", "packed") == "reference":
         kwargs.setdefault("attention", "reference")

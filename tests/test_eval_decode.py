@@ -37,8 +37,8 @@ def plain_decode_kl(folder: str, text: str, preset: str, n: int, sink: int,
     p = softmax(reference logits), in float64."""
     from transformers import DynamicCache
 
-    from kvarn.cache.hf import KVarNCache
     from kvarn.eval.common import load_tokens
+    from kvarn.integrations.transformers import KVarNCache
     from kvarn.models import load_model
 
     model, tok = load_model(folder)

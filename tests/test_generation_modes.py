@@ -17,9 +17,9 @@ import copy
 import pytest
 import torch
 from conftest import make_tiny_model
-from test_cache_hf import close, forward_steps, packed_calls
+from test_transformers_cache import close, forward_steps, packed_calls
 
-from kvarn.cache.hf import KVarNCache, KVarNLayer
+from kvarn.integrations.transformers import KVarNCache, KVarNLayer
 
 pytestmark = [pytest.mark.model,
               pytest.mark.filterwarnings("ignore:kvarn. key tiles stored before any query:UserWarning")]

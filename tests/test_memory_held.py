@@ -12,9 +12,9 @@ from transformers import LlamaConfig
 
 from kvarn.attention.view import StoredKV
 from kvarn.cache.buffer import SPARE, Buffer, capacity_for
-from kvarn.cache.hf import KVarNCache
 from kvarn.cache.memory import held_bytes, reachable_storages
 from kvarn.cache.store import LayerStore
+from kvarn.integrations.transformers import KVarNCache
 
 LAYERS, KV_HEADS, HEAD_DIM, PROMPT = 4, 8, 128, 8292
 CONFIG = LlamaConfig(num_hidden_layers=LAYERS, num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS,

@@ -238,7 +238,7 @@ def test_cache_observes_queries_on_both_read_paths(seed):
     layer saw the prompt's queries before storing its key tiles, and both paths stored the same tiles."""
     from conftest import make_tiny_model
 
-    from kvarn.cache.hf import KVarNCache, KVarNLayer
+    from kvarn.integrations.transformers import KVarNCache, KVarNLayer
 
     model = make_tiny_model("qwen2", layers=2, heads=4, kv_heads=2, head_dim=64, seed=seed % 1000)
     ids = torch.randint(3, 256, (1, 8 + 2 * 64 + 5), generator=torch.Generator().manual_seed(seed))

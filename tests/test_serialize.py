@@ -1,5 +1,5 @@
-"""Save and load a KVarNCache (kvarn.cache.serialize): bit-exact round trip, resumed decoding gives the same logits
-bit for bit, and files that are truncated, corrupted or made for something else are refused by name."""
+"""Save and load a KVarNCache (kvarn.integrations.serialize): bit-exact round trip, resumed decoding gives the same
+logits bit for bit, and files that are truncated, corrupted or made for something else are refused by name."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from transformers import LlamaConfig
 
 import kvarn
 from kvarn.attention import enable
-from kvarn.cache.hf import KVarNCache, KVarNLayer
-from kvarn.cache.serialize import CacheFileError, load_cache, save_cache
+from kvarn.integrations.serialize import CacheFileError, load_cache, save_cache
+from kvarn.integrations.transformers import KVarNCache, KVarNLayer
 
 PROMPT, MORE, SINK = 150, 12, 16
 

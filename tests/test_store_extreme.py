@@ -189,7 +189,7 @@ def test_nonfinite_error_refuses_and_leaves_the_store_intact():
 def test_cache_threads_nonfinite_error():
     from transformers import LlamaConfig
 
-    from kvarn.cache.hf import KVarNCache
+    from kvarn.integrations.transformers import KVarNCache
 
     cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, hidden_size=32, head_dim=16)
     cache = KVarNCache(cfg, "rtn-k2v2-g64", nonfinite="error")

@@ -48,7 +48,7 @@ def make_cache(name: str, model, max_len: int):
         return StaticCache(config=model.config, max_cache_len=max_len)
     if name in _BACKEND_MODULE:
         return QuantizedCache(name.split("-")[0], model.config, nbits=2)
-    from kvarn.cache.hf import KVarNCache
+    from kvarn.integrations.transformers import KVarNCache
 
     return KVarNCache(model.config, name)
 

@@ -60,8 +60,8 @@ def long_run(preset: str = "kvarn-k2v2-g128", tokens: int = 32768, every: int = 
     from tqdm import tqdm
     from transformers import LlamaConfig
 
-    from kvarn.cache.hf import KVarNCache
     from kvarn.cache.memory import held_bytes
+    from kvarn.integrations.transformers import KVarNCache
     from kvarn.synthetic import synthetic_kv
 
     config = LlamaConfig(num_hidden_layers=layers, num_attention_heads=kv_heads, num_key_value_heads=kv_heads,

@@ -21,9 +21,9 @@ import torch
 from kvarn.bench.e2e import prefilled, stepper
 from kvarn.bench.profile import top_ops
 from kvarn.bench.timing import interleaved_samples, spread
-from kvarn.cache.hf import KVarNCache, KVarNLayer
 from kvarn.cache.store import LayerStore
 from kvarn.eval.common import capture_kv
+from kvarn.integrations.transformers import KVarNCache, KVarNLayer
 from kvarn.presets import get_preset
 
 

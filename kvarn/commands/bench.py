@@ -56,7 +56,7 @@ def run_memory_long(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from kvarn.bench.memory import run_long
-    from kvarn.cache.hf import config_head_dim, config_kv_heads
+    from kvarn.integrations.transformers import config_head_dim, config_kv_heads
     from kvarn.models import resolve
 
     cfg = AutoConfig.from_pretrained(resolve(args.model))

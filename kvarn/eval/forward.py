@@ -73,9 +73,9 @@ def quantized_cache(model: nn.Module, preset: Preset | str, sink: int | None = N
     dequantized, then the model's own attention), so every quantizer's `decode` is what attention sees.
     `keep_decoded` keeps a decoded copy of the tiles, which only saves decoding them again at each step."""
     try:
-        from kvarn.cache.hf import KVarNCache
+        from kvarn.integrations.transformers import KVarNCache
     except ImportError as e:  # pragma: no cover - only while the cache module is missing
-        raise ValueError(f"kvarn.cache.hf.KVarNCache is not available: {e}") from e
+        raise ValueError(f"kvarn.integrations.transformers.KVarNCache is not available: {e}") from e
     return KVarNCache(model.config, preset=preset, sink=sink, keep_decoded=keep_decoded, attention="reference")
 
 

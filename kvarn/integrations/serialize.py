@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 from transformers.cache_utils import DummyLayer, DynamicSlidingWindowLayer
 
 import kvarn
-from kvarn.cache.hf import KVarNCache, KVarNLayer, config_head_dim, config_kv_heads, text_config
 from kvarn.cache.store import StoreStats, TensorStore
+from kvarn.integrations.transformers import KVarNCache, KVarNLayer, config_head_dim, config_kv_heads, text_config
 from kvarn.presets import Preset, get_preset
 from kvarn.quant.base import Packed
 

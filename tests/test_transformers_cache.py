@@ -1,5 +1,5 @@
-"""The transformers cache (kvarn.cache.hf): equivalence with DynamicCache where nothing is quantized, packed vs
-reference reads inside real forwards, byte accounting, quantize-once, generation modes, RoPE hook, refusals.
+"""The transformers cache (kvarn.integrations.transformers): equivalence with DynamicCache where nothing is quantized,
+packed vs reference reads inside real forwards, byte accounting, quantize-once, generation modes, RoPE hook, refusals.
 
 Tolerances: where both paths compute the same float32 attention in a different order (packed vs reference, RoPE
 undone and redone), logits are compared with |diff| <= 1e-4 * (1 + max|logits|): float32 rounding (~1e-7
@@ -19,9 +19,9 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import kvarn.attention
 import kvarn.attention.packed as packed_mod
-from kvarn.cache.hf import KVarNCache, KVarNLayer
 from kvarn.cache.rope import Rope
 from kvarn.cache.store import Bytes
+from kvarn.integrations.transformers import KVarNCache, KVarNLayer
 from kvarn.presets import get_preset
 
 FAMILIES = list(TINY_FAMILIES)
