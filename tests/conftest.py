@@ -110,17 +110,3 @@ def real_model():
     from kvarn.models import load_model
 
     return load_model("default")
-
-
-def _vllm_installed() -> bool:
-    # with tests/ on sys.path, tests/vllm is an implicit namespace package named "vllm" (no origin): not vLLM itself
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin is not None
-
-
-# tests/vllm: the engine-free tests (test_paged.py) run everywhere; those that start vLLM only where it is installed
-# (the .venv-vllm of `make vllm-venv`, run by `make test-vllm`). Kept here rather than in a tests/vllm/conftest.py,
-# whose module name "conftest" would shadow this file for `from conftest import ...`.
-collect_ignore_glob = [] if _vllm_installed() else ["vllm/test_engine_*.py"]
