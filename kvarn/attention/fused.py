@@ -33,27 +33,56 @@ def mode() -> str:
     return m
 
 
-def unsupported(query: torch.Tensor, keys: StoredKV | None, values: StoredKV | None) -> str | None:
-    """Why the fused kernel cannot serve this step (None: it can)."""
-    if keys is None or values is None or not keys.n_tiles:
-        return "no packed tiles"
+def unsupported_query(query: torch.Tensor) -> str | None:
+    """Why the kernel cannot serve these queries [B, Hq, L, D] (None: it can)."""
     if query.device.type != "cpu" or query.dtype not in DTYPES:
         return f"query on {query.device.type} in {query.dtype}"
     if query.shape[2] > MAX_QUERIES:
         return f"{query.shape[2]} queries per head (prefill): the matmul path is faster"
-    for what, v, axis in (("keys", keys, "channel"), ("values", values, "token")):
-        q = v.quantizer
+    return None
+
+
+def unsupported_quantizers(key_q, value_q) -> str | None:
+    """Why the kernel cannot read tiles of these (key, value) quantizers (None: it can)."""
+    for what, q, axis in (("keys", key_q, "channel"), ("values", value_q, "token")):
         if not isinstance(q, AffineQuantizer):
             return f"{what} are not AffineQuantizer tiles"
         if q.config.axis != axis:
             return f"{what} quantized per {q.config.axis}"
         if q.config.bits not in kernel.KERNEL_BITS:
             return f"{what} have {q.config.bits}-bit codes"
+    return None
+
+
+def unsupported(query: torch.Tensor, keys: StoredKV | None, values: StoredKV | None) -> str | None:
+    """Why the fused kernel cannot serve this step (None: it can)."""
+    if keys is None or values is None or not keys.n_tiles:
+        return "no packed tiles"
+    why = unsupported_query(query) or unsupported_quantizers(keys.quantizer, values.quantizer)
+    if why is not None:
+        return why
+    for what, v in (("keys", keys), ("values", values)):
         if v.post is not None:
             return f"{what} stored before RoPE"
     if (keys.tile, keys.n_tiles, keys.sink_len) != (values.tile, values.n_tiles, values.sink_len):
         return "keys and values have different tiles or regions"
     return None
+
+
+def take(why: str | None) -> bool:
+    """Whether a step for which the kernel gave `why` (None: it can serve it) takes the kernel, by KVARN_KERNEL:
+    torch never, auto when it can and the extension loads, cpu always (an error names why it cannot; "no packed
+    tiles" is not an error: there is nothing to fuse)."""
+    m = mode()
+    if m == "torch":
+        return False
+    if why is None and kernel.available():
+        return True
+    if m == "cpu" and why != "no packed tiles":
+        from kvarn.kernels.cpu.build import error
+
+        raise RuntimeError(f"KVARN_KERNEL=cpu, but the fused kernel cannot serve this step: {why or error()}")
+    return False
 
 
 def _tiles(view: StoredKV) -> kernel.PackedTiles:
@@ -82,7 +111,7 @@ def _exact(keys: StoredKV, values: StoredKV):
     return emap, _decoded(keys, idx), _decoded(values, idx)
 
 
-def _bias(mask: torch.Tensor | None, ok: torch.Tensor | None) -> torch.Tensor | None:
+def bias(mask: torch.Tensor | None, ok: torch.Tensor | None) -> torch.Tensor | None:
     """float32 [B or 1, 1 or Hq, L, T]: 0 or the additive mask where allowed, -inf elsewhere; None if all allowed
     (ok None: a decode step without a mask)."""
     if ok is None:
@@ -123,6 +152,6 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     n = keys.n_tiles
     table, count = _table(b, n)
     out = kernel.decode_attention(query, _tiles(keys), _tiles(values), table, count, keys.tile, scaling=scale,
-                                  dense=dense, tiles_pos=keys.sink_len, bias=_bias(mask, ok), softcap=softcap,
+                                  dense=dense, tiles_pos=keys.sink_len, bias=bias(mask, ok), softcap=softcap,
                                   exact=_exact(keys, values), validate=False)
     return out.transpose(1, 2).to(query.dtype).contiguous()

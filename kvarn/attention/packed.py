@@ -271,17 +271,9 @@ def _value_out(p: torch.Tensor, view: StoredKV | None, v_new: torch.Tensor, cd: 
 
 def _use_fused(query: torch.Tensor, past: KVarNPast | None) -> bool:
     """Whether this step takes the fused kernel (kvarn.attention.fused; KVARN_KERNEL=torch never, =cpu always)."""
-    m = fused.mode()
-    if m == "torch" or past is None:
+    if past is None or fused.mode() == "torch":
         return False
-    why = fused.unsupported(query, past.keys, past.values)
-    if why is None and fused.kernel.available():
-        return True
-    if m == "cpu" and why != "no packed tiles":
-        from kvarn.kernels.cpu.build import error
-
-        raise RuntimeError(f"KVARN_KERNEL=cpu, but the fused kernel cannot serve this step: {why or error()}")
-    return False
+    return fused.take(fused.unsupported(query, past.keys, past.values))
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast | None,

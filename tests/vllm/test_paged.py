@@ -5,8 +5,11 @@ chunked prefills, decodes, several requests per step, a prefix shared through th
 
 Oracle (float64, plain): a query at position p of logical block j attends to blocks < j as stored (sink blocks
 exact, the others `decode(encode(tile))` with the same quantizers) and to the exact rows of block j up to p.
-Tolerance: the backend computes in float32 from fp16 scales that the oracle decodes identically, so the only
-difference is float32 vs float64 accumulation over <= 96 keys of magnitude ~N(0, 1): outputs agree to 1e-4.
+Both read paths are checked (`read_path`): KVARN_KERNEL=torch (packed_attention over fields gathered through the
+block table) and KVARN_KERNEL=cpu (the fused C++ kernel over the pool's zero-copy field views for every decode-like
+piece with a packed block; prefill pieces take PyTorch under every mode). Tolerance, both: the backend computes in
+float32 from fp16 scales that the oracle decodes identically, so the only difference is float32 vs float64
+accumulation over <= 96 keys of magnitude ~N(0, 1): outputs agree to 1e-4.
 """
 
 from __future__ import annotations
@@ -14,12 +17,29 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvarn.integrations.vllm import paged
 from kvarn.integrations.vllm.layout import PageGeometry, TileLayout, choose_geometry
 from kvarn.integrations.vllm.paged import attend_step, write_step
 from kvarn.integrations.vllm.pool import LayerPool, SlotTable
 from kvarn.presets import affine_preset
 
 G, D, H, HQ = 16, 16, 2, 4
+
+
+@pytest.fixture(params=["torch", "cpu"])
+def read_path(request, monkeypatch):
+    """KVARN_KERNEL for the test; under "cpu", counts the kernel's calls (the test asserts it served some)."""
+    calls = []
+    if request.param == "cpu":
+        if not paged.kernel.available():
+            from kvarn.kernels.cpu.build import error
+
+            pytest.skip(f"the CPU kernel cannot be built here: {error()}")
+        real = paged.kernel.decode_attention
+        monkeypatch.setattr(paged.kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("KVARN_KERNEL", request.param)
+    yield calls
+    assert bool(calls) == (request.param == "cpu")
 
 
 class Engine:
@@ -107,7 +127,7 @@ def _check(eng: Engine, outs: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("sink_blocks", [0, 1, 2])
-def test_chunked_prefill_decode_and_batching_match_oracle(sink_blocks: int) -> None:
+def test_chunked_prefill_decode_and_batching_match_oracle(sink_blocks: int, read_path) -> None:
     gen = torch.Generator().manual_seed(1)
     eng = Engine(sink_blocks=sink_blocks)
     eng.add("a")
@@ -120,7 +140,7 @@ def test_chunked_prefill_decode_and_batching_match_oracle(sink_blocks: int) -> N
     _check(eng, eng.step({"a": 1, "b": 1}, gen))
 
 
-def test_outputs_do_not_depend_on_chunking() -> None:
+def test_outputs_do_not_depend_on_chunking(read_path) -> None:
     """The same tokens fed as one prefill or as ragged chunks give the same codes (bit for bit) and outputs."""
     runs = []
     for chunks in ([50], [7, 9, 16, 1, 17], [1] * 50):
@@ -148,7 +168,7 @@ def test_outputs_do_not_depend_on_chunking() -> None:
         torch.testing.assert_close(out, runs[0][0], rtol=1e-5, atol=1e-5)
 
 
-def test_prefix_sharing_reads_shared_blocks_and_reuse_resets_them() -> None:
+def test_prefix_sharing_reads_shared_blocks_and_reuse_resets_them(read_path) -> None:
     gen = torch.Generator().manual_seed(3)
     eng = Engine(sink_blocks=1)
     eng.add("a")
@@ -164,7 +184,7 @@ def test_prefix_sharing_reads_shared_blocks_and_reuse_resets_them() -> None:
         _check(eng, eng.step({"c": 20}, gen))
 
 
-def test_pool_exhaustion_evicts_idle_sink_then_reads_packed_copy() -> None:
+def test_pool_exhaustion_evicts_idle_sink_then_reads_packed_copy(read_path) -> None:
     gen = torch.Generator().manual_seed(5)
     eng = Engine(sink_blocks=1, num_blocks=64, e_index=3)  # smallest share: few fp slots
     n_slots = eng.pool.n_slots

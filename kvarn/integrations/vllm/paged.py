@@ -1,4 +1,4 @@
-"""One attention layer over vLLM's paged kvarn cache, in plain PyTorch: store the step's K/V, then attend.
+"""One attention layer over vLLM's paged kvarn cache: store the step's K/V, then attend.
 
 What a query at position p of logical block j sees (the same whatever the batching, chunking, prefix-cache hits or
 preemptions that led to it, so a prefill equals a token-by-token decode):
@@ -10,21 +10,28 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
   1. write: for every block touched by a request's new tokens, assemble its exact rows; blocks that complete are
      quantized together (one `encode` for all of them, the quantizer of the transformers cache) into their pages;
      sink blocks and incomplete blocks also (re)write their fp slot;
-  2. read: per request and per query block j, `kvarn.attention.packed.packed_attention` over a `StoredKV` view of
-     blocks < j (fields gathered through the block table) plus block j's exact rows, one softmax.
-
-Kernel seam: `past_view` gathers packed fields by block id; a fused kernel takes the pool's field views
-(`LayerPool.key_fields` / `value_fields`: [num_blocks, H, ...], stride_batch = 0) and the block table instead, with
-the sink as the exact region (see the shared kernel design in kvarn.attention.packed).
+  2. read: per request and per query block j, one softmax over blocks < j and block j's exact rows, by one of
+     - the fused C++ kernel (`kvarn.kernels.cpu.decode`), for decode-like pieces (<= `fused.MAX_QUERIES` queries
+       per head: decode tokens, and the short last piece of a chunk) with at least one packed block: it reads the
+       pool's zero-copy field views (`LayerPool.key_fields` / `value_fields`, [num_blocks, H, ...], stride_batch 0,
+       `PackedTiles.pool`) through this request's row of the block table; sink blocks and block j's rows are its
+       dense segments. One call per request and block (rows differ in sink and exact lengths);
+     - else `kvarn.attention.packed.packed_attention` (PyTorch: prefill pieces under every KVARN_KERNEL, since the
+       kernel is a decode kernel and the matmul path is faster there; every piece when KVARN_KERNEL=torch) over a
+       `StoredKV` view whose packed fields are gathered through the block table.
+     Decode-like pieces follow `kvarn.attention.fused.take` (KVARN_KERNEL=auto: the kernel when it loads; torch;
+     cpu: the kernel or an error naming why not), as the transformers cache does.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvarn.attention.packed import KVarNPast, packed_attention
+from kvarn.attention import fused
+from kvarn.attention.packed import KVarNPast, allowed, packed_attention
 from kvarn.attention.view import StoredKV
 from kvarn.integrations.vllm.pool import LayerPool, RequestPlan, StepPlan
+from kvarn.kernels.cpu import decode as kernel
 from kvarn.quant.base import Packed
 
 _NO_EXACT = torch.zeros(0, 3, dtype=torch.long)
@@ -95,6 +102,21 @@ def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list
             view[idx] = packed[name].unflatten(0, (n, h))
 
 
+def _sink_rows(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """K, V [1, H, ns*G, D] of the exact sink blocks among logical blocks [0, j) (up to the first one whose exact copy
+    was evicted: from there on, blocks are read packed), or None."""
+    sinks = []
+    for jj in range(min(j, sink_blocks)):
+        if p.slots[jj] is None:
+            break
+        sinks.append(pool.read_slot(p.slots[jj]))
+    if not sinks:
+        return None
+    kv = torch.cat(sinks, dim=2).to(dtype)  # [H, 2, ns*G, D]
+    return kv[None, :, 0], kv[None, :, 1]
+
+
 def past_view(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int,
               dtype: torch.dtype) -> tuple[StoredKV, StoredKV] | None:
     """Keys and values of logical blocks [0, j) as kvarn's attention reads them: exact sink blocks from their fp
@@ -102,24 +124,45 @@ def past_view(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int,
     if j == 0:
         return None
     lay = pool.layout
-    sinks = []
-    for jj in range(min(j, sink_blocks)):
-        if p.slots[jj] is None:
-            break
-        sinks.append(pool.read_slot(p.slots[jj]))
-    ns = len(sinks)
-    if ns:
-        kv = torch.cat(sinks, dim=2).to(dtype)  # [H, 2, ns*G, D]
-        sink_k, sink_v = kv[None, :, 0], kv[None, :, 1]
-    else:
-        sink_k = sink_v = None
+    sink = _sink_rows(pool, p, j, sink_blocks, dtype)
+    ns = 0 if sink is None else sink[0].shape[2] // lay.tile
     idx = torch.tensor(p.blocks[ns:j], dtype=torch.long)
     h = pool.geo.num_kv_heads
     views = []
-    for fields, q, sink in ((pool.key_fields, lay.key_q, sink_k), (pool.value_fields, lay.value_q, sink_v)):
+    for i, (fields, q) in enumerate(((pool.key_fields, lay.key_q), (pool.value_fields, lay.value_q))):
         packed = Packed({name: v[idx].transpose(0, 1)[None] for name, v in fields.items()}) if len(idx) else Packed()
-        views.append(StoredKV(sink, packed, len(idx), None, _NO_EXACT, None, q, (1, h, lay.head_dim), dtype))
+        views.append(StoredKV(None if sink is None else sink[i], packed, len(idx), None, _NO_EXACT, None, q,
+                              (1, h, lay.head_dim), dtype))
     return views[0], views[1]
+
+
+def fused_piece(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor | None:
+    """The fused kernel's attention [1, L, Hq, D] (q's dtype) for queries q [1, Hq, L, D], the last L of block j's
+    exact rows k, v [1, H, t, D], over blocks < j read in place through the block table; None when this piece takes
+    the PyTorch path (`fused.take`: KVARN_KERNEL, the queries, the quantizers, no packed block)."""
+    if fused.mode() == "torch" or q.shape[2] > fused.MAX_QUERIES:  # prefill pieces: PyTorch under every mode
+        return None
+    lay = pool.layout
+    sink = _sink_rows(pool, p, j, sink_blocks, torch.float32) if j else None
+    ns = 0 if sink is None else sink[0].shape[2] // lay.tile
+    n = j - ns
+    why = "no packed tiles" if n <= 0 else fused.unsupported_query(q) or fused.unsupported_quantizers(lay.key_q,
+                                                                                                       lay.value_q)
+    if not fused.take(why):
+        return None
+    g, length, t = lay.tile, q.shape[2], k.shape[2]
+    dense = [] if sink is None else [(sink[0], sink[1], 0)]
+    dense.append((k.float(), v.float(), j * g))
+    table = torch.tensor([p.blocks[ns:j]], dtype=torch.int32)
+    ok = None if length == 1 else allowed(None, 1, length, j * g + t, q.device)  # causal within block j
+    kc, vc = lay.key_q.config, lay.value_q.config
+    out = kernel.decode_attention(q, kernel.PackedTiles.pool(pool.key_fields, kc.bits, kc.rotate),
+                                  kernel.PackedTiles.pool(pool.value_fields, vc.bits, vc.rotate), table,
+                                  torch.tensor([n], dtype=torch.int32), g, scaling=scale, dense=dense,
+                                  tiles_pos=ns * g, bias=None if ok is None else fused.bias(None, ok),
+                                  softcap=softcap)
+    return out.transpose(1, 2).to(q.dtype)
 
 
 def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: torch.Tensor,
@@ -130,7 +173,9 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
     for i, p, j, rows, _ in _pieces(plan, g):
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, L, D]
         k, v = exact[(i, j)]
-        past = past_view(pool, p, j, plan.sink_blocks, query.dtype)
-        out = packed_attention(q, k[None], v[None], None if past is None else KVarNPast(*past), None, scale,
-                               softcap)  # [1, L, Hq, D]
+        out = fused_piece(pool, p, j, plan.sink_blocks, q, k[None], v[None], scale, softcap)
+        if out is None:
+            past = past_view(pool, p, j, plan.sink_blocks, query.dtype)
+            out = packed_attention(q, k[None], v[None], None if past is None else KVarNPast(*past), None, scale,
+                                   softcap)  # [1, L, Hq, D]
         output[rows] = out[0]
