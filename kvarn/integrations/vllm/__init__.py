@@ -4,7 +4,8 @@
     LLM(model, additional_config={"kvarn": {"preset": "kvarn-k4v2-g128"}}, ...)
 
 `register` runs in every vLLM process (front end, engine core, workers), possibly more than once: it only points
-the registry entries of `select.MLA` and CPU_ATTN at `kvarn.integrations.vllm.select`, which resolves to vLLM's own
+the registry entries of `select.MLA` and CPU_ATTN (off the CPU platform also `select.NOT_CPU`, which an enabled
+kvarn refuses: there is no CUDA backend yet) at `kvarn.integrations.vllm.select`, which resolves to vLLM's own
 class unless the run's config enables kvarn. Modules: `config` (options, refusals), `select` (the registry hook),
 `layout` (page bytes), `pool` (full-precision pool), `paged` (store + attention), `backend` (vLLM's classes).
 """
@@ -14,13 +15,22 @@ from __future__ import annotations
 SUPPORTED_VLLM = ("0.32",)  # minor versions whose backend API this plugin was written and tested against
 
 
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point (idempotent)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from kvarn.integrations.vllm.select import MLA, STOCK
+    from kvarn.integrations.vllm.select import MLA, NOT_CPU, STOCK
 
-    for name in (*STOCK, *MLA):
+    names = (*STOCK, *MLA)
+    if not _on_cpu():
+        names += tuple(n for n in NOT_CPU if n in AttentionBackendEnum.__members__)
+    for name in names:
         member = AttentionBackendEnum[name]
         path = f"kvarn.integrations.vllm.select.{name}"
         if member.get_path() != path:
