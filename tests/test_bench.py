@@ -105,6 +105,31 @@ def test_bench_bad_input_is_a_clear_error(tiny, capsys):
     assert "gpt5" in capsys.readouterr().err
 
 
+def test_bench_vllm_without_vllm_names_the_fix(monkeypatch, capsys):
+    """`kvarn bench vllm` where vLLM is not importable: one error line naming `make vllm-venv`, nothing run."""
+    from kvarn.bench import vllm as bench_vllm
+
+    monkeypatch.setattr(bench_vllm, "missing", lambda: "vLLM is not importable: run `make vllm-venv`")
+    assert main(["bench", "vllm", "--quick"]) == 2
+    assert "make vllm-venv" in capsys.readouterr().err
+
+
+def test_bench_vllm_table_and_schema():
+    """The vllm section's table renders from its JSON, which the bench schema accepts."""
+    from kvarn.bench.report import tables
+    from kvarn.eval.common import provenance
+
+    row = {"engine": "stock", "tokens_per_s": 10.0, "requests_per_s": 0.1, "tokens_per_s_vs_stock": 1.0,
+           "kv_tokens": 100, "kv_tokens_vs_stock": 1.0, "wall_s": 80.0, "start_s": 40.0}
+    sec = {"vllm": "0.32.0", "model": "default", "dtype": "bfloat16", "requests": 8, "prompt_tokens": 256,
+           "new_tokens": 64, "kv_gib": 1, "max_num_seqs": 8, "rows": [row]}
+    result = {"command": "kvarn bench vllm", "quick": True, "note": None, "provenance": provenance(),
+              "sections": {"vllm": sec}, "targets": [], "wall_s": 1.0}
+    validate(result, load_schema("bench"))
+    [(title, head, rows)] = tables(result)
+    assert "vLLM 0.32.0" in title and rows[0][0] == "stock" and len(head) == len(rows[0])
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_attention_store_shortcut_equals_a_filled_store(batch):
     """The attention section quantizes one block of tiles of row 0 and repeats them (`_filled_store`); for a

@@ -52,6 +52,16 @@ def _memory(res: dict) -> list[Table]:
     return [(title, ["context", "cache", "KV MiB held", "KV vs Dynamic", "peak RSS MiB", "peak over model MiB"], rows)]
 
 
+def _vllm(res: dict) -> list[Table]:
+    rows = [[r["engine"], r["tokens_per_s"], r["requests_per_s"], r["tokens_per_s_vs_stock"], r["kv_tokens"],
+             r["kv_tokens_vs_stock"], r["wall_s"], r["start_s"]] for r in res["rows"]]
+    title = (f"vLLM {res['vllm']} on the CPU, {res['requests']} concurrent requests x ({res['prompt_tokens']} prompt "
+             f"+ {res['new_tokens']} greedy tokens), {res['dtype']}, KV budget {res['kv_gib']} GiB, "
+             f"max_num_seqs={res['max_num_seqs']}")
+    return [(title, ["engine", "tokens/s", "requests/s", "tokens/s vs stock", "KV tokens", "KV vs stock",
+                     "batch s", "start s"], rows)]
+
+
 def _profiles(result: dict) -> list[Table]:
     out = []
     s = result.get("sections", {})
@@ -78,7 +88,7 @@ def _targets(result: dict) -> list[Table]:
     return [("issue 10 targets", ["target", "where", "measured", "target", "status"], rows)] if rows else []
 
 
-BUILDERS = {"attention": _attention, "e2e": _e2e, "store": _store, "memory": _memory}
+BUILDERS = {"attention": _attention, "e2e": _e2e, "store": _store, "memory": _memory, "vllm": _vllm}
 
 
 def tables(result: dict) -> list[Table]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
 import time
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import torch
 
 from kvarn.presets import DEFAULT_PRESET, get_preset
 
-SECTIONS = ("attention", "e2e", "store", "memory")
+SECTIONS = ("attention", "e2e", "store", "memory", "vllm")  # vllm: only where vLLM is installed (.venv-vllm)
 KVARN_CACHES = ["kvarn-k2v2-g128", "kvarn-auto-k2v2-g128", "kvarn-k4v2-g128"]
 CACHES = ",".join(["dynamic", "static", "quanto-2bit", "hqq-2bit",
                    *dict.fromkeys([*KVARN_CACHES, get_preset(DEFAULT_PRESET).name])])
@@ -31,6 +33,12 @@ SETTINGS: dict[str, tuple[object, object]] = {
     "store_rounds": (15, 5),
     "mem_contexts": ("8192", "1024"),
     "mem_steps": (8, 4),
+    "vllm_presets": ("kvarn-k2v2-g128,kvarn-k4v2-g128", "kvarn-k2v2-g128,kvarn-k4v2-g128"),
+    "vllm_requests": (8, 8),
+    "vllm_prompt_tokens": (512, 256),
+    "vllm_new_tokens": (128, 64),
+    "vllm_kv_gib": (1, 1),
+    "vllm_max_num_seqs": (8, 8),
 }
 HELP = {
     "shapes": "attention head shapes (smollm2 = 9 q / 3 KV heads x 64; qwen3-4b = 32 q / 8 KV x 128)",
@@ -41,6 +49,9 @@ HELP = {
     "warmup": "untimed warm-up calls/steps per contender", "store_presets": "store-section presets",
     "store_context": "context of the decode steps the store is compared with", "store_rounds": "store timed rounds",
     "mem_contexts": "memory-section prefill lengths", "mem_steps": "memory-section decode steps",
+    "vllm_presets": "kvarn presets served by vLLM beside stock vLLM", "vllm_requests": "concurrent vLLM requests",
+    "vllm_prompt_tokens": "prompt tokens per vLLM request", "vllm_new_tokens": "greedy tokens per vLLM request",
+    "vllm_kv_gib": "VLLM_CPU_KVCACHE_SPACE (GiB) of every engine", "vllm_max_num_seqs": "vLLM max_num_seqs",
 }
 
 
@@ -96,6 +107,13 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
         torch.set_num_threads(args.threads)
     release_freed_buffers()
     s = _settings(args)
+    if "vllm" in sections and len(sections) > 1:  # `all`: the vllm section only where vLLM is installed
+        from kvarn.bench.vllm import missing
+
+        why = missing()
+        if why is not None:
+            print(f"kvarn bench all: skipping the vllm section: {why}", file=sys.stderr)
+            sections = [x for x in sections if x != "vllm"]
     t0 = time.perf_counter()
     out: dict = {"command": command_line(args, sections), "quick": args.quick, "note": args.note,
                  "provenance": provenance(**s, model=args.model, text=args.text or "default"), "sections": {}}
@@ -132,6 +150,22 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
 
             out["sections"]["memory"] = bench_memory(args.model, load_ids, _ints(s["mem_contexts"]),
                                                      _names(s["caches"]), s["mem_steps"])
+        elif section == "vllm":
+            from kvarn.bench.vllm import bench_vllm, missing
+
+            why = missing()
+            if why is not None:
+                raise ValueError(why)
+            if tok is None:
+                from transformers import AutoTokenizer
+
+                from kvarn.models import resolve
+
+                tok = AutoTokenizer.from_pretrained(str(resolve(args.model)))
+            out["sections"]["vllm"] = bench_vllm(
+                args.model, functools.partial(load_tokens, tok, args.text),
+                _names(s["vllm_presets"]), s["vllm_requests"], s["vllm_prompt_tokens"], s["vllm_new_tokens"],
+                s["vllm_kv_gib"], s["vllm_max_num_seqs"])
         if args.json:  # after every section, so a long run that stops early keeps what it measured
             write_json(args.json, out | {"targets": check_targets(out), "wall_s": time.perf_counter() - t0})
     out["targets"] = check_targets(out)

@@ -1,4 +1,4 @@
-"""`kvarn bench {attention,e2e,store,memory,all}`: speed and memory side by side in one process, as ratios.
+"""`kvarn bench {attention,e2e,store,memory,vllm,all}`: speed and memory side by side in one process, as ratios.
 The logic lives in `kvarn.bench`; this file only declares the subcommands."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ HELP = {
     "e2e": "end-to-end decode tokens/s: KVarNCache vs Dynamic/Static/quanto/HQQ caches",
     "store": "tile-store time as a share of the decode time of the tokens it covers",
     "memory": "KV bytes held and peak process memory per cache (a process each)",
-    "all": "every section, one JSON/markdown (docs/BENCHMARKS.md)",
+    "vllm": "vLLM throughput (tokens/s, requests/s) and KV capacity, stock vs the kvarn plugin (needs .venv-vllm)",
+    "all": "every section, one JSON/markdown (docs/BENCHMARKS.md); vllm only where vLLM is installed",
 }
 
 
