@@ -278,11 +278,12 @@ def _use_fused(query: torch.Tensor, past: KVarNPast | None) -> bool:
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast | None,
                      attention_mask: torch.Tensor | None = None, scaling: float | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, kernel: bool = True) -> torch.Tensor:
     """softmax(q K^T * scaling [softcapped] + mask) V over [stored past | fresh key/value]; returns [B, L, Hq, D].
 
     query [B, Hq, L, D]; key, value [B, Hkv, L_new, D] (the fresh rows); attention_mask bool (True = attend) or
     additive float, [B or 1, 1 or Hq, L, T_past + L_new], or None for causal (bottom-right aligned).
+    kernel=False: the PyTorch path whatever KVARN_KERNEL says (for callers that already chose, e.g. vLLM's pages).
     """
     b, hq, length, d = query.shape
     hkv = key.shape[1]
@@ -294,7 +295,7 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     keys_view = past.keys if past is not None else None
     values_view = past.values if past is not None else None
     scale = d ** -0.5 if scaling is None else scaling
-    if _use_fused(query, past):
+    if kernel and _use_fused(query, past):
         ok = None if attention_mask is None and length == 1 else allowed(attention_mask, b, length, kv_len,
                                                                           query.device)
         return fused.fused_attention(query, key, value, past.keys, past.values, ok, attention_mask, scale, softcap)

@@ -168,6 +168,28 @@ def test_outputs_do_not_depend_on_chunking(read_path) -> None:
         torch.testing.assert_close(out, runs[0][0], rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_pieces_take_pytorch_under_kvarn_kernel_cpu(monkeypatch) -> None:
+    """KVARN_KERNEL=cpu: pieces of more than fused.MAX_QUERIES queries (lowered to 4 here, as G = 16 pieces never
+    exceed the real 16) take the PyTorch path instead of failing; the decode pieces take the kernel."""
+    from kvarn.attention import fused
+
+    if not paged.kernel.available():
+        pytest.skip("the CPU kernel cannot be built here")
+    calls = []
+    real = paged.kernel.decode_attention
+    monkeypatch.setattr(paged.kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fused, "MAX_QUERIES", 4)
+    monkeypatch.setenv("KVARN_KERNEL", "cpu")
+    gen = torch.Generator().manual_seed(2)
+    eng = Engine(sink_blocks=1)
+    eng.add("a")
+    _check(eng, eng.step({"a": 40}, gen))  # pieces of 16, 16 and 8 queries: PyTorch
+    assert not calls
+    for _ in range(3):
+        _check(eng, eng.step({"a": 1}, gen))
+    assert len(calls) == 3
+
+
 def test_prefix_sharing_reads_shared_blocks_and_reuse_resets_them(read_path) -> None:
     gen = torch.Generator().manual_seed(3)
     eng = Engine(sink_blocks=1)

@@ -177,5 +177,5 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
         if out is None:
             past = past_view(pool, p, j, plan.sink_blocks, query.dtype)
             out = packed_attention(q, k[None], v[None], None if past is None else KVarNPast(*past), None, scale,
-                                   softcap)  # [1, L, Hq, D]
+                                   softcap, kernel=False)  # [1, L, Hq, D]
         output[rows] = out[0]
