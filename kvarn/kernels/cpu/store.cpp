@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -41,13 +42,17 @@ c10::ScalarType scalar_type(int dt) {
   }
 }
 
-// a float32 value cast to storage dtype dt at p (round to nearest even; fp16 overflows to inf, as torch's .to())
+// a float32 value cast to storage dtype dt at p (round to nearest even; fp16 overflows to inf, as torch's .to();
+// e4m3 would saturate, so out-of-range values become NaN first, as kvarn.quant.affine.store_scale does)
 void put(int dt, char* p, int i, float v) {
+  constexpr float E4M3_MAX = 448.f;
   switch (dt) {
     case F32: reinterpret_cast<float*>(p)[i] = v; break;
     case F16: reinterpret_cast<c10::Half*>(p)[i] = c10::Half(v); break;
     case BF16: reinterpret_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(v); break;
-    default: reinterpret_cast<c10::Float8_e4m3fn*>(p)[i] = c10::Float8_e4m3fn(v);
+    default:
+      reinterpret_cast<c10::Float8_e4m3fn*>(p)[i] =
+          c10::Float8_e4m3fn(std::fabs(v) <= E4M3_MAX ? v : std::numeric_limits<float>::quiet_NaN());
   }
 }
 
@@ -65,7 +70,7 @@ struct Config {
   bool channel;    // keys: rows = channels (X = w^T [D][G]); values: rows = tokens (X = w [G][D])
   int bits, rotate, iters;  // rotate: 0 none, 1 hadamard, 2 auto
   bool varn, relative, weighted;
-  int scale_dt, col_dt;
+  int scale_dt, zero_dt, col_dt;  // zero_dt: fp16 when the scales are 8-bit (kvarn.quant.affine.zero_dtype)
   int mb() const { return C * bits / 8; }
 };
 
@@ -102,7 +107,7 @@ struct Encoded {
   std::vector<uint8_t> q, codes;
   std::vector<char> a, z, col;
   Encoded(const Config& c)
-      : q(c.R * c.C), codes(c.R * c.mb()), a(c.R * item_size(c.scale_dt)), z(c.R * item_size(c.scale_dt)),
+      : q(c.R * c.C), codes(c.R * c.mb()), a(c.R * item_size(c.scale_dt)), z(c.R * item_size(c.zero_dt)),
         col(c.C * item_size(c.col_dt)) {}
 };
 
@@ -270,7 +275,7 @@ void encode_rows(const Config& c, const float* X, Work& w, Encoded& e) {
     row_codes(row, C, lo, delta, static_cast<float>(levels), e.q.data() + r * C);
     const float s = c.varn ? w.br[r] : 1.f;
     put(c.scale_dt, e.a.data(), r, c.varn ? delta * s : delta);
-    put(c.scale_dt, e.z.data(), r, c.varn ? lo * s : lo);
+    put(c.zero_dt, e.z.data(), r, c.varn ? lo * s : lo);
   }
   // planes (kvarn.ops.packing): byte j of a row holds codes j + k m, k < 8 / bits, at bits [k b, (k + 1) b)
   const int mb = c.mb(), per = 8 / c.bits;
@@ -292,7 +297,7 @@ double weighted_error(const Config& c, const Encoded& e, bool rotated, const flo
   const int R = c.R, C = c.C, G = c.G, D = c.D;
   float* rec = w.rec.data();  // channel-major [D][G]
   for (int r = 0; r < R; ++r) {
-    const float a = get(c.scale_dt, e.a.data(), r), z = get(c.scale_dt, e.z.data(), r);
+    const float a = get(c.scale_dt, e.a.data(), r), z = get(c.zero_dt, e.z.data(), r);
     for (int j = 0; j < C; ++j) {
       float v = static_cast<float>(e.q[r * C + j]) * a + z;
       if (c.varn) v = v * get(c.col_dt, e.col.data(), j);
@@ -320,10 +325,10 @@ struct Out {
 };
 
 void emit(const Config& c, const Encoded& e, const Out& o, int64_t n) {
-  const int sa = item_size(c.scale_dt), sc = item_size(c.col_dt);
+  const int sa = item_size(c.scale_dt), sz = item_size(c.zero_dt), sc = item_size(c.col_dt);
   std::memcpy(o.codes + n * c.R * c.mb(), e.codes.data(), e.codes.size());
   std::memcpy(o.a + n * c.R * sa, e.a.data(), e.a.size());
-  std::memcpy(o.z + n * c.R * sa, e.z.data(), e.z.size());
+  std::memcpy(o.z + n * c.R * sz, e.z.data(), e.z.size());
   if (o.col) std::memcpy(o.col + n * c.C * sc, e.col.data(), e.col.size());
 }
 
@@ -354,7 +359,7 @@ bool load_tile(const at::Tensor& x, int64_t n, int G, int D, float* out) {
 bool fields_finite(const Config& c, const Encoded& e) {
   float probe = 0.f;
   for (int r = 0; r < c.R; ++r) {
-    const float a = get(c.scale_dt, e.a.data(), r), z = get(c.scale_dt, e.z.data(), r);
+    const float a = get(c.scale_dt, e.a.data(), r), z = get(c.zero_dt, e.z.data(), r);
     probe += (a - a) + (z - z);
   }
   if (c.varn)
@@ -387,7 +392,7 @@ void to_rows(const Config& c, const float* x0t, bool rotate, float* X) {
 }  // namespace
 
 // x [N][G][D] float32/fp16/bf16 contiguous; weight [N][D] float32 (rotate = auto, weighted) or empty.
-// Returns codes [N][R][C*bits/8] uint8, row_scale and row_zero [N][R] (scale dtype), col_scale [N][C] (col dtype;
+// Returns codes [N][R][C*bits/8] uint8, row_scale and row_zero [N][R] (scale dtype; the zero fp16 for 8-bit scales), col_scale [N][C] (col dtype;
 // undefined without VarN), rotated [N] uint8 (undefined unless rotate = auto), and two [N] bool flags: the input tile
 // was finite (else it was encoded as zeros), every stored scale is finite.
 std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t bits, bool channel,
@@ -408,6 +413,7 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
   c.varn = use_varn;
   c.relative = relative && use_varn;
   c.scale_dt = static_cast<int>(scale_dt);
+  c.zero_dt = c.scale_dt == E4M3 ? F16 : c.scale_dt;
   c.col_dt = static_cast<int>(col_dt);
   c.weighted = weight.numel() > 0;
   TORCH_CHECK(c.C % (8 / c.bits) == 0, "kvarn store: columns must fill whole bytes");
@@ -418,7 +424,7 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
   auto u8 = x.options().dtype(at::kByte);
   at::Tensor codes = at::empty({N, c.R, c.mb()}, u8);
   at::Tensor a = at::empty({N, c.R}, x.options().dtype(scalar_type(c.scale_dt)));
-  at::Tensor z = at::empty({N, c.R}, x.options().dtype(scalar_type(c.scale_dt)));
+  at::Tensor z = at::empty({N, c.R}, x.options().dtype(scalar_type(c.zero_dt)));
   at::Tensor col = c.varn ? at::empty({N, c.C}, x.options().dtype(scalar_type(c.col_dt))) : at::Tensor();
   at::Tensor rot = c.rotate == 2 ? at::empty({N}, u8) : at::Tensor();
   at::Tensor fin = at::empty({N}, x.options().dtype(at::kBool)), fout = at::empty({N}, x.options().dtype(at::kBool));

@@ -13,11 +13,12 @@ rotate="auto" (policy "query" or "mse", kvarn.quant.policy): both bases encoded,
 ((q a + z) t, rotated back), sum_{g,d} w_d (x^ - x)^2 in double, the rotation kept where strictly lower.
 OpenMP over tiles, no host synchronization.
 
-Served: CPU tensors of float32/bf16/fp16; 1/2/4/8-bit codes; scales in float32/fp16/bf16; VarN column scales in
-those or float8_e4m3fn (relative). `unsupported` names why anything else takes the reference: 3-bit codes (their
-8-code groups are packed differently), 8-bit row scales (fp8 `scale_dtype`: the NaN marking of `store_scale` and a
-16-bit zero are not implemented), other 8-bit column formats, rotation policies other than query/mse (arbitrary
-Python callables), head or tile sizes whose columns do not fill whole bytes (the reference raises the error).
+Served: CPU tensors of float32/bf16/fp16; 1/2/4/8-bit codes; scales in float32/fp16/bf16/float8_e4m3fn (e4m3:
+out-of-range values stored as NaN and an fp16 zero, as `store_scale` and `zero_dtype`); VarN column scales in
+those, relative when `col_scale_dtype` is 8-bit. `unsupported` names why anything else takes the reference: 3-bit
+codes (their 8-code groups are packed differently), other 8-bit formats (e5m2: not needed by any preset), rotation
+policies other than query/mse (arbitrary Python callables), head or tile sizes whose columns do not fill whole
+bytes (the reference raises the error), negative VarN iterations (the reference raises).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def unsupported(quantizer, x: torch.Tensor) -> str | None:
         return f"tiles on {x.device.type} in {x.dtype}"
     if c.bits not in STORE_BITS:
         return f"{c.bits}-bit codes"
-    if c.scale_dtype not in INPUT_DTYPES:
+    if c.scale_dtype not in DTYPE_CODES:
         return f"row scales in {c.scale_dtype}"
     col = c.col_scale_dtype or c.scale_dtype
     if c.varn and col not in DTYPE_CODES:
