@@ -113,61 +113,101 @@ struct Encoded {
 
 struct Work {
   std::vector<float> x, zc, y, b, sc, sr, lc, lr, ec, er, bc, br, rec;
-  std::vector<double> zsd, cs, css, shift;
+  std::vector<double> zsd, shift;
   Encoded rot, plain;
   Work(const Config& c)
       : x(c.R * c.C), zc(c.R * c.C), y(c.C), b(c.R * c.C), sc(c.C), sr(c.R), lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R),
-        rec(c.G * c.D), zsd(c.R), cs(c.C), css(c.C), shift(c.C), rot(c), plain(c) {}
+        rec(c.G * c.D), zsd(c.R), shift(std::max(c.R, c.C)), rot(c), plain(c) {}
 };
 
-// The stds of Y = Z / er[rows], Z = X / ec[cols] (the reference's x / c / r). Z is formed in float32 as the
-// reference forms it; a std is taken of the exact quotient z / er in double instead of its float32 rounding (a
-// relative change below 2^-24 per element, which averages out in the std), so a row's std is std(Z row) / er and
-// only the columns need a second sweep. Sums in double, shifted by the first element of the row (column): a
+// The stds of Y = Z / er[rows], Z = X / ec[cols] (the reference's x / c / r), for the VarN statistics only (B is
+// formed with the reference's divisions). Z is X times 1 / ec in float32 and a std is taken of the exact z / er in
+// double: each element moves by at most an ulp or two from the reference's float32 y, a relative change near
+// 2^-24 that averages out in a std (the tests bound the scales this produces). A row's std is then std(Z row) / er,
+// so only the columns need a second sweep. Sums in double, shifted by the first element of the row (column): a
 // constant row gives exactly 0, and large offsets do not cancel the variance.
+
+// s = sum_j (z_j - z_0), ss = sum_j (z_j - z_0)^2 in double (explicit vectors: gcc's reduction epilogue was as slow
+// as the loop for rows of 64)
+void moments(const float* z, int n, double& s, double& ss) {
+  const double k = z[0];
+  int j = 0;
+  s = ss = 0.0;
+#if defined(__AVX512F__)
+  const __m512d vk = _mm512_set1_pd(k);
+  __m512d s0 = _mm512_setzero_pd(), s1 = s0, q0 = s0, q1 = s0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(z + j);
+    const __m512d d0 = _mm512_sub_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), vk);
+    const __m512d d1 = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))), vk);
+    s0 = _mm512_add_pd(s0, d0);
+    s1 = _mm512_add_pd(s1, d1);
+    q0 = _mm512_add_pd(q0, _mm512_mul_pd(d0, d0));
+    q1 = _mm512_add_pd(q1, _mm512_mul_pd(d1, d1));
+  }
+  s = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+  ss = _mm512_reduce_add_pd(_mm512_add_pd(q0, q1));
+#endif
+  for (; j < n; ++j) {
+    const double d = static_cast<double>(z[j]) - k;
+    s += d;
+    ss += d * d;
+  }
+}
 
 // w.zc = X / ec[cols] and w.zsd[r] = std of row r of Z, in double
 void scale_cols(const Config& c, const float* X, Work& w) {
   const int R = c.R, C = c.C;
-  const float* ec = w.ec.data();
+  float* inv = w.y.data();
+  for (int j = 0; j < C; ++j) inv[j] = 1.f / w.ec[j];
   for (int r = 0; r < R; ++r) {
     float* z = w.zc.data() + r * C;
     const float* xr = X + r * C;
 #pragma omp simd
-    for (int j = 0; j < C; ++j) z[j] = xr[j] / ec[j];
-    const double k = z[0];
-    double s = 0.0, ss = 0.0;
-#pragma omp simd reduction(+ : s, ss)
-    for (int j = 0; j < C; ++j) {
-      const double d = static_cast<double>(z[j]) - k;
-      s += d;
-      ss += d * d;
-    }
+    for (int j = 0; j < C; ++j) z[j] = xr[j] * inv[j];
+    double s, ss;
+    moments(z, C, s, ss);
     w.zsd[r] = std::sqrt(std::max((ss - s * s / C) / (C - 1), 0.0));
   }
 }
 
-// w.sr = std of the rows of Y = Z / er, w.sc = of its columns
+// w.sr = std of the rows of Y = Z / er, w.sc = of its columns (blocks of 16 columns kept in registers over all rows)
 void stats(const Config& c, Work& w) {
+  constexpr int B = 16;
   const int R = c.R, C = c.C;
-  double *cs = w.cs.data(), *css = w.css.data(), *sh = w.shift.data();
-  for (int r = 0; r < R; ++r) w.sr[r] = static_cast<float>(w.zsd[r] / w.er[r]);
-  std::fill(cs, cs + C, 0.0);
-  std::fill(css, css + C, 0.0);
+  double* inv = w.shift.data();  // reused: 1 / er
   for (int r = 0; r < R; ++r) {
-    const float* z = w.zc.data() + r * C;
-    const double inv = 1.0 / w.er[r];
-    if (r == 0)
-      for (int j = 0; j < C; ++j) sh[j] = z[j] * inv;
-#pragma omp simd
-    for (int j = 0; j < C; ++j) {
-      const double d = z[j] * inv - sh[j];
-      cs[j] += d;
-      css[j] += d * d;
-    }
+    w.sr[r] = static_cast<float>(w.zsd[r] / w.er[r]);
+    inv[r] = 1.0 / w.er[r];
   }
-  for (int j = 0; j < C; ++j)
-    w.sc[j] = static_cast<float>(std::sqrt(std::max((css[j] - cs[j] * cs[j] / R) / (R - 1), 0.0)));
+  const float* Z = w.zc.data();
+  int j0 = 0;
+  for (; j0 + B <= C; j0 += B) {
+    double sh[B], s[B], ss[B];
+    for (int j = 0; j < B; ++j) sh[j] = Z[j0 + j] * inv[0], s[j] = 0.0, ss[j] = 0.0;
+    for (int r = 0; r < R; ++r) {
+      const float* z = Z + r * C + j0;
+      const double ir = inv[r];
+#pragma omp simd
+      for (int j = 0; j < B; ++j) {
+        const double d = z[j] * ir - sh[j];
+        s[j] += d;
+        ss[j] += d * d;
+      }
+    }
+    for (int j = 0; j < B; ++j)
+      w.sc[j0 + j] = static_cast<float>(std::sqrt(std::max((ss[j] - s[j] * s[j] / R) / (R - 1), 0.0)));
+  }
+  for (int j = j0; j < C; ++j) {  // the columns left over (C not a multiple of 16)
+    const double sh = Z[j] * inv[0];
+    double s = 0.0, ss = 0.0;
+    for (int r = 0; r < R; ++r) {
+      const double d = Z[r * C + j] * inv[r] - sh;
+      s += d;
+      ss += d * d;
+    }
+    w.sc[j] = static_cast<float>(std::sqrt(std::max((ss - s * s / R) / (R - 1), 0.0)));
+  }
 }
 
 float spread(const std::vector<float>& s) {
