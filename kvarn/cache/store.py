@@ -353,11 +353,11 @@ class TensorStore:
 
     def _fits_dtype(self, packed: Packed, flat: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N] bool: the tile decodes to finite values in the store dtype (module docstring: the bound that
-        selects which tiles to decode)."""
-        fits = torch.ones_like(ok)
+        selects which tiles to decode); where the dtype cannot overflow, `ok` itself (the caller ands them)."""
         top = torch.finfo(dtype).max
         if top >= torch.finfo(torch.float32).max:
-            return fits
+            return ok  # nothing can overflow: ok & fits is ok
+        fits = torch.ones_like(ok)
         cand = (ok & (flat.abs().amax(dim=(1, 2)).float() > top / (2 * flat.shape[2]))).nonzero().squeeze(1)
         if len(cand):
             dec = self.quantizer.decode(packed.select(cand), torch.float32)
