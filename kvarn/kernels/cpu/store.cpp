@@ -120,12 +120,13 @@ struct Work {
         rec(c.G * c.D), zsd(c.R), shift(std::max(c.R, c.C)), rot(c), plain(c) {}
 };
 
-// The stds of Y = Z / er[rows], Z = X / ec[cols] (the reference's x / c / r), for the VarN statistics only (B is
-// formed with the reference's divisions). Z is X times 1 / ec in float32 and a std is taken of the exact z / er in
-// double: each element moves by at most an ulp or two from the reference's float32 y, a relative change near
-// 2^-24 that averages out in a std (the tests bound the scales this produces). A row's std is then std(Z row) / er,
-// so only the columns need a second sweep. Sums in double, shifted by the first element of the row (column): a
-// constant row gives exactly 0, and large offsets do not cancel the variance.
+// The stds of Y = Z / er[rows], Z = X / ec[cols] (the reference's x / c / r), for the VarN statistics. Z is formed
+// in float32 exactly as the reference forms it; a std is taken of the exact quotient z / er in double instead of its
+// float32 rounding (a relative change below 2^-24 per element, which averages out in a std), so a row's std is
+// std(Z row) / er and only the columns need a second sweep. Sums in double of the deviations from the first element
+// of the row (column): a constant row gives exactly 0, and large offsets do not cancel the variance.
+// (Forming Z by a product with 1 / ec instead was measured: it moves near-tied Imb enough to pick another iteration
+// of VarN's gauge on a tile of offset 1e6, whose fp16 zero then no longer overflows as the reference's does.)
 
 // s = sum_j (z_j - z_0), ss = sum_j (z_j - z_0)^2 in double (explicit vectors: gcc's reduction epilogue was as slow
 // as the loop for rows of 64)
@@ -158,13 +159,12 @@ void moments(const float* z, int n, double& s, double& ss) {
 // w.zc = X / ec[cols] and w.zsd[r] = std of row r of Z, in double
 void scale_cols(const Config& c, const float* X, Work& w) {
   const int R = c.R, C = c.C;
-  float* inv = w.y.data();
-  for (int j = 0; j < C; ++j) inv[j] = 1.f / w.ec[j];
+  const float* ec = w.ec.data();
   for (int r = 0; r < R; ++r) {
     float* z = w.zc.data() + r * C;
     const float* xr = X + r * C;
 #pragma omp simd
-    for (int j = 0; j < C; ++j) z[j] = xr[j] * inv[j];
+    for (int j = 0; j < C; ++j) z[j] = xr[j] / ec[j];  // the reference's rounding (a product by 1 / ec is not)
     double s, ss;
     moments(z, C, s, ss);
     w.zsd[r] = std::sqrt(std::max((ss - s * s / C) / (C - 1), 0.0));
