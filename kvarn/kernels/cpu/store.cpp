@@ -112,11 +112,11 @@ struct Encoded {
 };
 
 struct Work {
-  std::vector<float> x, zc, y, b, sc, sr, lc, lr, ec, er, bc, br, rec;
+  std::vector<float> x, zc, y, b, sc, sr, lc, lr, ec, er, bc, br, tf, rec;
   std::vector<double> zsd, shift;
   Encoded rot, plain;
   Work(const Config& c)
-      : x(c.R * c.C), zc(c.R * c.C), y(c.C), b(c.R * c.C), sc(c.C), sr(c.R), lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R),
+      : x(c.R * c.C), zc(c.R * c.C), y(c.C), b(c.R * c.C), sc(c.C), sr(c.R), lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R), tf(c.C),
         rec(c.G * c.D), zsd(c.R), shift(std::max(c.R, c.C)), rot(c), plain(c) {}
 };
 
@@ -336,14 +336,26 @@ double weighted_error(const Config& c, const Encoded& e, bool rotated, const flo
                       Work& w) {
   const int R = c.R, C = c.C, G = c.G, D = c.D;
   float* rec = w.rec.data();  // channel-major [D][G]
+  float* t = w.tf.data();     // the stored fields as float32, once (get() per element does not vectorize)
+  for (int j = 0; j < C; ++j) t[j] = c.varn ? get(c.col_dt, e.col.data(), j) : 1.f;
+  // decoded rows [R][C]: for keys (rows = channels) that is rec itself, for values the rows are transposed after
+  float* dec = c.channel ? rec : w.zc.data();  // zc: VarN's scratch, free once both candidates are encoded
   for (int r = 0; r < R; ++r) {
     const float a = get(c.scale_dt, e.a.data(), r), z = get(c.zero_dt, e.z.data(), r);
-    for (int j = 0; j < C; ++j) {
-      float v = static_cast<float>(e.q[r * C + j]) * a + z;
-      if (c.varn) v = v * get(c.col_dt, e.col.data(), j);
-      rec[c.channel ? r * G + j : j * G + r] = v;
+    const uint8_t* q = e.q.data() + r * C;
+    float* out = dec + r * C;
+    if (c.varn) {
+#pragma omp simd
+      for (int j = 0; j < C; ++j) out[j] = (static_cast<float>(q[j]) * a + z) * t[j];
+    } else {
+#pragma omp simd
+      for (int j = 0; j < C; ++j) out[j] = static_cast<float>(q[j]) * a + z;
     }
   }
+  if (!c.channel)  // [G][D] -> [D][G]
+    for (int d = 0; d < D; ++d)
+#pragma omp simd
+      for (int g = 0; g < G; ++g) rec[d * G + g] = dec[g * D + d];
   if (rotated) fwht_rows(rec, D, G);
   double total = 0.0;
   for (int d = 0; d < D; ++d) {
