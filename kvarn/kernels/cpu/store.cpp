@@ -384,15 +384,15 @@ void emit(const Config& c, const Encoded& e, const Out& o, int64_t n) {
   if (o.col) std::memcpy(o.col + n * c.C * sc, e.col.data(), e.col.size());
 }
 
-// tile n of x [N][G][D] (float32/fp16/bf16) as float32, channel-major [D][G]. Returns whether it is finite; a tile
+// tile n of x [N][G][D] (float32/fp16/bf16, strided) as float32, channel-major [D][G]. Returns whether it is finite; a tile
 // that is not is replaced by zeros (what the cache encodes in place of a tile it keeps exact).
 bool load_tile(const at::Tensor& x, int64_t n, int G, int D, float* out) {
-  const int64_t base = n * G * D;
+  const int64_t base = n * x.stride(0), sg = x.stride(1), sd = x.stride(2);  // any strides: no copy of a slice
   float probe = 0.f;  // v - v is 0 for a finite v and NaN for inf or NaN
   auto fill = [&](auto* p) {
     for (int g = 0; g < G; ++g)
       for (int d = 0; d < D; ++d) {
-        const float v = static_cast<float>(p[base + g * D + d]);
+        const float v = static_cast<float>(p[base + g * sg + d * sd]);
         out[d * G + g] = v;
         probe += v - v;
       }
@@ -443,14 +443,14 @@ void to_rows(const Config& c, const float* x0t, bool rotate, float* X) {
 
 }  // namespace
 
-// x [N][G][D] float32/fp16/bf16 contiguous; weight [N][D] float32 (rotate = auto, weighted) or empty.
+// x [N][G][D] float32/fp16/bf16, any strides; weight [N][D] float32 (rotate = auto, weighted) or empty.
 // Returns codes [N][R][C*bits/8] uint8, row_scale and row_zero [N][R] (scale dtype; the zero fp16 for 8-bit scales), col_scale [N][C] (col dtype;
 // undefined without VarN), rotated [N] uint8 (undefined unless rotate = auto), and two [N] bool flags: the input tile
 // was finite (else it was encoded as zeros), every stored scale is finite.
 std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t bits, bool channel,
                                     int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,
                                     bool relative) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.device().is_cpu(), "kvarn store: x must be [N, G, D] contiguous");
+  TORCH_CHECK(x.dim() == 3 && x.device().is_cpu(), "kvarn store: x must be [N, G, D] on the CPU");
   TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "kvarn store: bits must be 1, 2, 4 or 8");
   Config c;
   const int64_t N = x.size(0);

@@ -73,7 +73,7 @@ def store_tiles(quantizer, x: torch.Tensor, weight: torch.Tensor | None = None
     if c.rotate == "auto" and weight is not None and WEIGHTED[quantizer.policy]:
         w = weight if weight.dtype == torch.float32 and weight.is_contiguous() else weight.float().contiguous()
     codes, a, z, t, rot, finite_in, finite_out = load().store_tiles(
-        x.contiguous(), w, c.bits, c.axis == "channel", ROTATE[c.rotate], c.varn, c.varn_iters,
+        x, w, c.bits, c.axis == "channel", ROTATE[c.rotate], c.varn, c.varn_iters,
         DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(col, 0), relative)
     out = {"codes": codes, "row_scale": a, "row_zero": z}
     if t is not None:
