@@ -157,14 +157,18 @@ void moments(const float* z, int n, double& s, double& ss) {
 }
 
 // w.zc = X / ec[cols] and w.zsd[r] = std of row r of Z, in double
-void scale_cols(const Config& c, const float* X, Work& w) {
+// (unit: ec is all ones, as before the first iteration, so Z = X exactly and the divisions are skipped)
+void scale_cols(const Config& c, const float* X, Work& w, bool unit = false) {
   const int R = c.R, C = c.C;
   const float* ec = w.ec.data();
   for (int r = 0; r < R; ++r) {
     float* z = w.zc.data() + r * C;
     const float* xr = X + r * C;
+    if (unit)
+      std::memcpy(z, xr, C * sizeof(float));
+    else
 #pragma omp simd
-    for (int j = 0; j < C; ++j) z[j] = xr[j] / ec[j];  // the reference's rounding (a product by 1 / ec is not)
+      for (int j = 0; j < C; ++j) z[j] = xr[j] / ec[j];  // the reference's rounding (a product by 1 / ec is not)
     double s, ss;
     moments(z, C, s, ss);
     w.zsd[r] = std::sqrt(std::max((ss - s * s / C) / (C - 1), 0.0));
@@ -232,7 +236,7 @@ void varn(const Config& c, const float* X, Work& w) {
   std::fill(w.er.begin(), w.er.end(), 1.f);
   std::fill(w.bc.begin(), w.bc.end(), 1.f);
   std::fill(w.br.begin(), w.br.end(), 1.f);
-  scale_cols(c, X, w);
+  scale_cols(c, X, w, true);
   stats(c, w);
   float best = spread(w.sc) + spread(w.sr);
   for (int it = 0; it < c.iters; ++it) {
