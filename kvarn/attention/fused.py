@@ -13,24 +13,16 @@ a key tile or a value tile kept exact makes that tile exact for both, the other 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvarn.attention.view import StoredKV
 from kvarn.kernels.cpu import decode as kernel
+from kvarn.kernels.cpu.build import mode  # also read by packed.py and integrations.vllm.paged as fused.mode
 from kvarn.quant.affine import AffineQuantizer
 from kvarn.quant.base import Packed
 
 MAX_QUERIES = 16  # queries per head; longer chunks (prefill) take the matmul-based PyTorch path
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def mode() -> str:
-    m = os.environ.get("KVARN_KERNEL", "auto")
-    if m not in ("auto", "torch", "cpu"):
-        raise ValueError(f"KVARN_KERNEL must be 'auto', 'torch' or 'cpu', got {m!r}")
-    return m
 
 
 def unsupported_query(query: torch.Tensor) -> str | None:

@@ -61,6 +61,7 @@ from kvarn.quant.base import Packed, TileQuantizer
 from kvarn.quant.policy import QueryEnergy
 
 NonFinite = Literal["exact", "error"]
+_NO_INDEX = torch.zeros(0, 3, dtype=torch.long)  # no tile kept exact (never written to)
 
 
 @dataclass
@@ -322,24 +323,21 @@ class TensorStore:
         if pad is not None and pad.any():
             tiles, stats.pad_tokens, stats.pad_tiles = neutral_pads(tiles, pad.reshape(b, m, g))
         flat = tiles.flatten(0, 2)  # [B*H*m, G_q, D]
-        finite = torch.isfinite(flat).flatten(1).all(dim=1)
-        if not finite.all():
-            flat = torch.where(finite.view(-1, 1, 1), flat, torch.zeros_like(flat))
         w = self.weight_source() if self.weight_source is not None else None  # [B, H, D]
         if w is None and self.weight_source is not None:
             warnings.warn("kvarn: key tiles stored before any query was observed (attention implementation "
                           "'eager'?); the rotation choice falls back to unweighted squared error", stacklevel=3)
-        if w is None:
-            packed = self.quantizer.encode(flat)
-        else:  # one weight row per tile, in flat's (b, h, tile) order
-            packed = self.quantizer.encode(flat, weight=w.to(flat.device).unsqueeze(2).expand(b, h, m, d)
-                                           .reshape(-1, d))
-        scale_ok = packed.finite_tiles().to(finite.device)
+        if w is not None:  # one weight row per tile, in flat's (b, h, tile) order
+            w = w.to(flat.device).unsqueeze(2).expand(b, h, m, d).reshape(-1, d)
+        packed, finite, scale_ok = self.quantizer.encode_tiles(flat, w)  # non-finite tiles encoded as zeros
         dtype_ok = self._fits_dtype(packed, flat, finite & scale_ok, x.dtype)
+        ok = finite & scale_ok & dtype_ok
+        if bool(ok.all()):  # the usual case: nothing kept exact, no index arithmetic
+            return _Encoded(packed.unflatten((b, h, m)), _NO_INDEX, flat[:0], stats)
         stats.exact_nonfinite = int((~finite).sum())
         stats.exact_scale_overflow = int((finite & ~scale_ok).sum())
         stats.exact_dtype_overflow = int((finite & scale_ok & ~dtype_ok).sum())
-        exact = ~(finite & scale_ok & dtype_ok)
+        exact = ~ok
         idx = exact.nonzero().squeeze(1)
         bi, hi, ti = idx // (h * m), idx // m % h, idx % m
         if len(idx) and self.nonfinite == "error":
@@ -355,11 +353,11 @@ class TensorStore:
 
     def _fits_dtype(self, packed: Packed, flat: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N] bool: the tile decodes to finite values in the store dtype (module docstring: the bound that
-        selects which tiles to decode)."""
-        fits = torch.ones_like(ok)
+        selects which tiles to decode); where the dtype cannot overflow, `ok` itself (the caller ands them)."""
         top = torch.finfo(dtype).max
         if top >= torch.finfo(torch.float32).max:
-            return fits
+            return ok  # nothing can overflow: ok & fits is ok
+        fits = torch.ones_like(ok)
         cand = (ok & (flat.abs().amax(dim=(1, 2)).float() > top / (2 * flat.shape[2]))).nonzero().squeeze(1)
         if len(cand):
             dec = self.quantizer.decode(packed.select(cand), torch.float32)

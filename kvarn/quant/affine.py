@@ -22,6 +22,8 @@ from typing import Literal
 
 import torch
 
+from kvarn.kernels.cpu import store as store_kernel
+from kvarn.kernels.cpu.build import mode as kernel_mode
 from kvarn.ops.hadamard import hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
@@ -131,10 +133,41 @@ class AffineQuantizer(TileQuantizer):
 
     def encode(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Packed:
         """x [N, G, D] -> Packed. weight [N, D] (rotate="auto" only): per-channel weight of the policy's error,
-        the running query energy E[q_d^2] of the tile's KV head (`kvarn.quant.policy`); None = all ones."""
-        check_tiles(x, self.tile)
+        the running query energy E[q_d^2] of the tile's KV head (`kvarn.quant.policy`); None = all ones.
+
+        The fused CPU kernel (`kvarn.kernels.cpu.store`) serves what it supports; everything else, and every call
+        when KVARN_KERNEL=torch, takes `encode_reference`. KVARN_KERNEL=cpu refuses to fall back (an error says why)."""
+        self._check(x, weight, True)
+        if self._kernel(x):
+            return Packed(store_kernel.store_tiles(self, x, weight)[0])
+        return self.encode_reference(x, weight)
+
+    def encode_tiles(self, x: torch.Tensor, weight: torch.Tensor | None = None
+                     ) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+        """`TileQuantizer.encode_tiles`; the kernel checks finiteness itself (no extra passes over x)."""
+        self._check(x, weight, False)
+        if self._kernel(x):
+            fields, finite_in, finite_out = store_kernel.store_tiles(self, x, weight)
+            return Packed(fields), finite_in, finite_out
+        return super().encode_tiles(x, weight)
+
+    def _check(self, x: torch.Tensor, weight: torch.Tensor | None, finite: bool) -> None:
+        check_tiles(x, self.tile, finite=finite)
         if weight is not None and weight.shape != (x.shape[0], x.shape[2]):
             raise ValueError(f"weight must be [N, D] = {(x.shape[0], x.shape[2])}, got {tuple(weight.shape)}")
+
+    def _kernel(self, x: torch.Tensor) -> bool:
+        """Whether the fused store kernel encodes x (KVARN_KERNEL: torch never; cpu always, or an error says why)."""
+        m = kernel_mode()
+        if m == "torch":
+            return False
+        why = store_kernel.unsupported(self, x)
+        if why is not None and m == "cpu":
+            raise RuntimeError(f"KVARN_KERNEL=cpu, but the fused store kernel cannot encode {self.name}: {why}")
+        return why is None
+
+    def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Packed:
+        """The PyTorch path of `encode` (the oracle of the kernel), for checked tiles x [N, G, D]."""
         w = x.float()
         if self.config.rotate == "none":
             return Packed(self._encode_rows(self._to_rows(w)))

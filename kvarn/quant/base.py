@@ -71,8 +71,8 @@ class Packed:
         return Packed({k: torch.cat([p.fields[k] for p in parts], dim=dim) for k in parts[0].fields})
 
 
-def check_tiles(x: torch.Tensor, tile: int, head_dim: int | None = None) -> None:
-    """Raise ValueError naming what is wrong with a batch of tiles [N, G, D]."""
+def check_tiles(x: torch.Tensor, tile: int, head_dim: int | None = None, finite: bool = True) -> None:
+    """Raise ValueError naming what is wrong with a batch of tiles [N, G, D] (finite=False: NaN/Inf allowed)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"expected a tensor of tiles [N, G, D], got {type(x).__name__}")
     if x.dim() != 3:
@@ -83,7 +83,7 @@ def check_tiles(x: torch.Tensor, tile: int, head_dim: int | None = None) -> None
         raise ValueError(f"tile has {x.shape[1]} tokens but the quantizer is configured for G={tile}")
     if head_dim is not None and x.shape[2] != head_dim:
         raise ValueError(f"tile has head_dim {x.shape[2]}, quantizer expects {head_dim}")
-    if x.numel() and not torch.isfinite(x).all():
+    if finite and x.numel() and not torch.isfinite(x).all():
         raise ValueError(
             "tiles contain NaN or Inf; the cache keeps such tiles exact, quantizers refuse them"
         )
@@ -100,6 +100,17 @@ class TileQuantizer(ABC):
 
     @abstractmethod
     def decode(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+    def encode_tiles(self, x: torch.Tensor, weight: torch.Tensor | None = None
+                     ) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+        """What the cache stores: x [N, G, D] that may hold NaN/Inf -> (packed, input_finite [N] bool,
+        fields_finite [N] bool = `Packed.finite_tiles`), a tile with a non-finite input encoded as zeros.
+        weight [N, D] goes to quantizers that take one (`takes_weight`)."""
+        finite = torch.isfinite(x).flatten(1).all(dim=1)
+        if not finite.all():
+            x = torch.where(finite.view(-1, 1, 1), x, torch.zeros_like(x))
+        packed = self.encode(x) if weight is None else self.encode(x, weight=weight)
+        return packed, finite, packed.finite_tiles().to(finite.device)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x), x.dtype)

@@ -1,5 +1,9 @@
 """Building and loading the C++/OpenMP extension (torch.utils.cpp_extension, compiled once per machine and torch).
 
+One module holds both kernels: decode attention (decode.cpp) and the tile store (store.cpp); module.cpp binds them.
+`mode()` reads KVARN_KERNEL, which both obey: auto (the kernel where it applies), torch (the PyTorch reference
+everywhere), cpu (the kernel or an error naming why not).
+
 The build goes to `$KVARN_CACHE/torch_extensions/<machine tag>` (~/.cache/kvarn by default) with -O3 -march=native:
 the tag hashes the CPU's flags, so a cache shared between machines never runs code built for another CPU. Needs a C++
 compiler and ninja (a dependency of kvarn). When the build fails, `load()` returns None and warns once, saying why.
@@ -8,6 +12,7 @@ compiler and ninja (a dependency of kvarn). When the build fails, `load()` retur
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import warnings
 from pathlib import Path
@@ -15,11 +20,18 @@ from types import ModuleType
 
 import torch
 
-SOURCES = [Path(__file__).with_name("decode.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("decode.cpp", "store.cpp", "module.cpp")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 
 _module: ModuleType | None = None
 _error: str | None = None
+
+
+def mode() -> str:
+    m = os.environ.get("KVARN_KERNEL", "auto")
+    if m not in ("auto", "torch", "cpu"):
+        raise ValueError(f"KVARN_KERNEL must be 'auto', 'torch' or 'cpu', got {m!r}")
+    return m
 
 
 def _machine_tag() -> str:
@@ -56,8 +68,9 @@ def load() -> ModuleType | None:
     except Exception as e:  # no compiler, no ninja, a failed compile: the PyTorch path still works
         lines = [ln for ln in str(e).splitlines() if "error" in ln.lower()] or str(e).splitlines() or [""]
         _error = f"{type(e).__name__}: {lines[0].strip()[:300]}"
-        warnings.warn(f"kvarn: the fused CPU decode kernel could not be built ({_error}); attention takes the "
-                      "PyTorch path (kvarn.attention.packed), which is slower", stacklevel=2)
+        warnings.warn(f"kvarn: the fused CPU kernels could not be built ({_error}); attention and the tile "
+                      "store take the PyTorch path (kvarn.attention.packed, kvarn.quant.affine), which is slower",
+                      stacklevel=2)
     return _module
 
 

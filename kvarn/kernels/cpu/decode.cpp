@@ -572,7 +572,3 @@ std::vector<at::Tensor> decode_attention(
   if (J.hmat) return {out_p, at::Tensor()};
   return {out_p, out_r};
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "fused decode attention over packed KVarN tiles");
-}

@@ -1,0 +1,22 @@
+// The Python bindings of the CPU kernels (decode.cpp, store.cpp): one extension module, built by build.py.
+#include <torch/extension.h>
+
+#include <vector>
+
+std::vector<at::Tensor> decode_attention(
+    const at::Tensor& q, const at::Tensor& qh, const at::Tensor& hmat, double scale, const std::vector<at::Tensor>& kf,
+    const std::vector<int64_t>& ks, int64_t k_bits, int64_t k_rotate, const std::vector<at::Tensor>& vf,
+    const std::vector<int64_t>& vs, int64_t v_bits, int64_t v_rotate, const at::Tensor& block_table,
+    const at::Tensor& n_blocks, int64_t tile, const at::Tensor& exact_map, const at::Tensor& exact_k,
+    const at::Tensor& exact_v, const std::vector<at::Tensor>& dense_k, const std::vector<at::Tensor>& dense_v,
+    const std::vector<int64_t>& dense_pos, int64_t tiles_pos, const at::Tensor& bias, int64_t L, double softcap,
+    int64_t splits);
+
+std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t bits, bool channel,
+                                    int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,
+                                    bool relative);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "fused decode attention over packed KVarN tiles");
+  m.def("store_tiles", &store_tiles, "fused tile store: Hadamard, VarN, RTN, fold, pack (AffineQuantizer tiles)");
+}

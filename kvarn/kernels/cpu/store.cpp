@@ -1,0 +1,518 @@
+// Fused tile store over AffineQuantizer tiles (kvarn.kernels.cpu.store documents the arithmetic; kvarn.quant.affine
+// is the reference). One work item = one tile [G][D]: optional Hadamard, rows per axis, VarN, RTN per row, fold,
+// cast, pack; rotate = auto encodes both bases, decodes both and keeps the lower weighted error.
+//
+// Every float32 operation is the reference's, in its order (x / c / r, q * a + z, then * t), without fused
+// multiply-adds (the pragma below); statistics accumulate in double. What can still differ: expf / logf (glibc
+// vs Sleef, 1 ulp at most) and the last bit of a std (torch's accumulation order).
+#pragma GCC optimize("fp-contract=off")
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+enum Dtype { F32 = 0, F16 = 1, BF16 = 2, E4M3 = 3 };
+
+constexpr float STD_LO = 1e-3f, STD_HI = 1e3f, LOG_LO = -0.3f, LOG_HI = 10.0f, IMB_FLOOR = 1e-8f;
+constexpr float RANGE_GUARD = 1e-10f, E4M3_TINY = 0.015625f;  // finfo(float8_e4m3fn).tiny = 2^-6
+
+int item_size(int dt) { return dt == F32 ? 4 : dt == E4M3 ? 1 : 2; }
+
+c10::ScalarType scalar_type(int dt) {
+  switch (dt) {
+    case F32: return at::kFloat;
+    case F16: return at::kHalf;
+    case BF16: return at::kBFloat16;
+    default: return at::ScalarType::Float8_e4m3fn;
+  }
+}
+
+// a float32 value cast to storage dtype dt at p (round to nearest even; fp16 overflows to inf, as torch's .to();
+// e4m3 would saturate, so out-of-range values become NaN first, as kvarn.quant.affine.store_scale does)
+void put(int dt, char* p, int i, float v) {
+  constexpr float E4M3_MAX = 448.f;
+  switch (dt) {
+    case F32: reinterpret_cast<float*>(p)[i] = v; break;
+    case F16: reinterpret_cast<c10::Half*>(p)[i] = c10::Half(v); break;
+    case BF16: reinterpret_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(v); break;
+    default:
+      reinterpret_cast<c10::Float8_e4m3fn*>(p)[i] =
+          c10::Float8_e4m3fn(std::fabs(v) <= E4M3_MAX ? v : std::numeric_limits<float>::quiet_NaN());
+  }
+}
+
+float get(int dt, const char* p, int i) {
+  switch (dt) {
+    case F32: return reinterpret_cast<const float*>(p)[i];
+    case F16: return static_cast<float>(reinterpret_cast<const c10::Half*>(p)[i]);
+    case BF16: return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(p)[i]);
+    default: return static_cast<float>(reinterpret_cast<const c10::Float8_e4m3fn*>(p)[i]);
+  }
+}
+
+struct Config {
+  int G, D, R, C;  // tile tokens, head_dim; rows and columns of the quantization layout
+  bool channel;    // keys: rows = channels (X = w^T [D][G]); values: rows = tokens (X = w [G][D])
+  int bits, rotate, iters;  // rotate: 0 none, 1 hadamard, 2 auto
+  bool varn, relative, weighted;
+  int scale_dt, zero_dt, col_dt;  // zero_dt: fp16 when the scales are 8-bit (kvarn.quant.affine.zero_dtype)
+  int mb() const { return C * bits / 8; }
+};
+
+// x @ H along the rows of T [d][n] (channel-major: row i = channel i of n vectors), in place: kvarn.ops.hadamard's
+// power-of-two blocks (binary expansion of d, largest first), each a butterfly (a + b, a - b) with h = 1, 2, 4, ...
+// then divided by sqrt(block). Whole rows at a time, so the butterflies are vector operations over the n vectors.
+void fwht_rows(float* T, int d, int n) {
+  int off = 0;
+  for (int bit = 30; bit >= 0; --bit) {
+    if (!((d >> bit) & 1)) continue;
+    const int m = 1 << bit;
+    float* v = T + static_cast<int64_t>(off) * n;
+    for (int h = 1; h < m; h *= 2)
+      for (int i = 0; i < m; i += 2 * h)
+        for (int j = i; j < i + h; ++j) {
+          float* p = v + static_cast<int64_t>(j) * n;
+          float* q = p + static_cast<int64_t>(h) * n;
+#pragma omp simd
+          for (int k = 0; k < n; ++k) {
+            const float a = p[k], b = q[k];
+            p[k] = a + b;
+            q[k] = a - b;
+          }
+        }
+    const float s = static_cast<float>(std::sqrt(static_cast<double>(m)));
+#pragma omp simd
+    for (int k = 0; k < m * n; ++k) v[k] /= s;
+    off += m;
+  }
+}
+
+// One encoding of a tile, fields in storage dtypes (raw bytes), plus its codes unpacked (for the auto decode).
+struct Encoded {
+  std::vector<uint8_t> q, codes;
+  std::vector<char> a, z, col;
+  Encoded(const Config& c)
+      : q(c.R * c.C), codes(c.R * c.mb()), a(c.R * item_size(c.scale_dt)), z(c.R * item_size(c.zero_dt)),
+        col(c.C * item_size(c.col_dt)) {}
+};
+
+struct Work {
+  std::vector<float> x, zc, y, b, sc, sr, lc, lr, ec, er, bc, br, tf, rec;
+  std::vector<double> zsd, shift;
+  Encoded rot, plain;
+  Work(const Config& c)
+      : x(c.R * c.C), zc(c.R * c.C), y(c.C), b(c.R * c.C), sc(c.C), sr(c.R), lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R), tf(c.C),
+        rec(c.G * c.D), zsd(c.R), shift(std::max(c.R, c.C)), rot(c), plain(c) {}
+};
+
+// The stds of Y = Z / er[rows], Z = X / ec[cols] (the reference's x / c / r), for the VarN statistics. Z is formed
+// in float32 exactly as the reference forms it; a std is taken of the exact quotient z / er in double instead of its
+// float32 rounding (a relative change below 2^-24 per element, which averages out in a std), so a row's std is
+// std(Z row) / er and only the columns need a second sweep. Sums in double of the deviations from the first element
+// of the row (column): a constant row gives exactly 0, and large offsets do not cancel the variance.
+// (Forming Z by a product with 1 / ec instead was measured: it moves near-tied Imb enough to pick another iteration
+// of VarN's gauge on a tile of offset 1e6, whose fp16 zero then no longer overflows as the reference's does.)
+
+// s = sum_j (z_j - z_0), ss = sum_j (z_j - z_0)^2 in double (explicit vectors: gcc's reduction epilogue was as slow
+// as the loop for rows of 64)
+void moments(const float* z, int n, double& s, double& ss) {
+  const double k = z[0];
+  int j = 0;
+  s = ss = 0.0;
+#if defined(__AVX512F__)
+  const __m512d vk = _mm512_set1_pd(k);
+  __m512d s0 = _mm512_setzero_pd(), s1 = s0, q0 = s0, q1 = s0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(z + j);
+    const __m512d d0 = _mm512_sub_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), vk);
+    const __m512d d1 = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))), vk);
+    s0 = _mm512_add_pd(s0, d0);
+    s1 = _mm512_add_pd(s1, d1);
+    q0 = _mm512_add_pd(q0, _mm512_mul_pd(d0, d0));
+    q1 = _mm512_add_pd(q1, _mm512_mul_pd(d1, d1));
+  }
+  s = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+  ss = _mm512_reduce_add_pd(_mm512_add_pd(q0, q1));
+#endif
+  for (; j < n; ++j) {
+    const double d = static_cast<double>(z[j]) - k;
+    s += d;
+    ss += d * d;
+  }
+}
+
+// w.zc = X / ec[cols] and w.zsd[r] = std of row r of Z, in double
+// (unit: ec is all ones, as before the first iteration, so Z = X exactly and the divisions are skipped)
+void scale_cols(const Config& c, const float* X, Work& w, bool unit = false) {
+  const int R = c.R, C = c.C;
+  const float* ec = w.ec.data();
+  for (int r = 0; r < R; ++r) {
+    float* z = w.zc.data() + r * C;
+    const float* xr = X + r * C;
+    if (unit)
+      std::memcpy(z, xr, C * sizeof(float));
+    else
+#pragma omp simd
+      for (int j = 0; j < C; ++j) z[j] = xr[j] / ec[j];  // the reference's rounding (a product by 1 / ec is not)
+    double s, ss;
+    moments(z, C, s, ss);
+    w.zsd[r] = std::sqrt(std::max((ss - s * s / C) / (C - 1), 0.0));
+  }
+}
+
+// w.sr = std of the rows of Y = Z / er, w.sc = of its columns (blocks of 16 columns kept in registers over all rows)
+void stats(const Config& c, Work& w) {
+  constexpr int B = 16;
+  const int R = c.R, C = c.C;
+  double* inv = w.shift.data();  // reused: 1 / er
+  for (int r = 0; r < R; ++r) {
+    w.sr[r] = static_cast<float>(w.zsd[r] / w.er[r]);
+    inv[r] = 1.0 / w.er[r];
+  }
+  const float* Z = w.zc.data();
+  int j0 = 0;
+  for (; j0 + B <= C; j0 += B) {
+    double sh[B], s[B], ss[B];
+    for (int j = 0; j < B; ++j) sh[j] = Z[j0 + j] * inv[0], s[j] = 0.0, ss[j] = 0.0;
+    for (int r = 0; r < R; ++r) {
+      const float* z = Z + r * C + j0;
+      const double ir = inv[r];
+#pragma omp simd
+      for (int j = 0; j < B; ++j) {
+        const double d = z[j] * ir - sh[j];
+        s[j] += d;
+        ss[j] += d * d;
+      }
+    }
+    for (int j = 0; j < B; ++j)
+      w.sc[j0 + j] = static_cast<float>(std::sqrt(std::max((ss[j] - s[j] * s[j] / R) / (R - 1), 0.0)));
+  }
+  for (int j = j0; j < C; ++j) {  // the columns left over (C not a multiple of 16)
+    const double sh = Z[j] * inv[0];
+    double s = 0.0, ss = 0.0;
+    for (int r = 0; r < R; ++r) {
+      const double d = Z[r * C + j] * inv[r] - sh;
+      s += d;
+      ss += d * d;
+    }
+    w.sc[j] = static_cast<float>(std::sqrt(std::max((ss - s * s / R) / (R - 1), 0.0)));
+  }
+}
+
+float spread(const std::vector<float>& s) {
+  const auto [mn, mx] = std::minmax_element(s.begin(), s.end());
+  return *mx / std::max(*mn, IMB_FLOOR);
+}
+
+// l <- clamp(l + ln(clamp(sigma, 1e-3, 1e3)), -0.3, 10), e = exp(l)
+void step(std::vector<float>& l, std::vector<float>& e, const std::vector<float>& sigma) {
+  for (size_t i = 0; i < l.size(); ++i) {
+    l[i] = std::min(std::max(l[i] + std::log(std::min(std::max(sigma[i], STD_LO), STD_HI)), LOG_LO), LOG_HI);
+    e[i] = std::exp(l[i]);
+  }
+}
+
+// VarN on X [R][C] (kvarn.ops.varn): best scales into w.bc [C], w.br [R]. Imb(Y) after iteration i is computed on the
+// Y that iteration i + 1 starts from, so its column stds are reused.
+void varn(const Config& c, const float* X, Work& w) {
+  std::fill(w.lc.begin(), w.lc.end(), 0.f);
+  std::fill(w.lr.begin(), w.lr.end(), 0.f);
+  std::fill(w.ec.begin(), w.ec.end(), 1.f);
+  std::fill(w.er.begin(), w.er.end(), 1.f);
+  std::fill(w.bc.begin(), w.bc.end(), 1.f);
+  std::fill(w.br.begin(), w.br.end(), 1.f);
+  scale_cols(c, X, w, true);
+  stats(c, w);
+  float best = spread(w.sc) + spread(w.sr);
+  for (int it = 0; it < c.iters; ++it) {
+    step(w.lc, w.ec, w.sc);
+    scale_cols(c, X, w);
+    for (int r = 0; r < c.R; ++r) w.sr[r] = static_cast<float>(w.zsd[r] / w.er[r]);  // rows of Z / er (old)
+    step(w.lr, w.er, w.sr);
+    stats(c, w);
+    const float imb = spread(w.sc) + spread(w.sr);
+    if (imb <= best) {  // ties take the newer scales
+      best = imb;
+      w.bc = w.ec;
+      w.br = w.er;
+    }
+  }
+}
+
+// min and max of a row (gcc does not vectorize float min/max reductions without -ffinite-math-only)
+void row_range(const float* row, int n, float& lo, float& hi) {
+  lo = hi = row[0];
+  int j = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 vlo = _mm512_loadu_ps(row), vhi = vlo;
+    for (j = 16; j + 16 <= n; j += 16) {
+      const __m512 v = _mm512_loadu_ps(row + j);
+      vlo = _mm512_min_ps(vlo, v);
+      vhi = _mm512_max_ps(vhi, v);
+    }
+    lo = _mm512_reduce_min_ps(vlo);
+    hi = _mm512_reduce_max_ps(vhi);
+  }
+#endif
+  for (; j < n; ++j) lo = std::min(lo, row[j]), hi = std::max(hi, row[j]);
+}
+
+// q[j] = clamp(round_half_even((row[j] - lo) / delta), 0, top), as torch.round and clamp_
+void row_codes(const float* row, int n, float lo, float delta, float top, uint8_t* q) {
+  int j = 0;
+#if defined(__AVX512F__)
+  const __m512 vlo = _mm512_set1_ps(lo), vd = _mm512_set1_ps(delta), vtop = _mm512_set1_ps(top);
+  for (; j + 16 <= n; j += 16) {
+    __m512 v = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), vlo), vd);
+    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_setzero_ps()), vtop);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v)));
+  }
+#endif
+  for (; j < n; ++j)
+    q[j] = static_cast<uint8_t>(std::min(std::max(std::nearbyint((row[j] - lo) / delta), 0.f), top));
+}
+
+// X [R][C] -> one encoding: B = X / s_c / s_r (VarN), RTN per row, a = s_r delta, z = s_r lo, t = s_c, packed codes.
+void encode_rows(const Config& c, const float* X, Work& w, Encoded& e) {
+  const int R = c.R, C = c.C, levels = (1 << c.bits) - 1;
+  const float* B = X;
+  if (c.varn) {
+    varn(c, X, w);
+    if (c.relative) {  // kvarn.quant.affine.relative_col_scales: t = e4m3(max(s_c / m, tiny)), s_r' = s_r m
+      const float m = *std::max_element(w.bc.begin(), w.bc.end());
+      for (int j = 0; j < C; ++j)
+        w.bc[j] = static_cast<float>(c10::Float8_e4m3fn(std::max(w.bc[j] / m, E4M3_TINY)));
+      for (int r = 0; r < R; ++r) w.br[r] = w.br[r] * m;
+    }
+    float* b = w.b.data();
+    const float* bc = w.bc.data();
+    for (int r = 0; r < R; ++r) {
+      const float br = w.br[r];
+#pragma omp simd
+      for (int j = 0; j < C; ++j) b[r * C + j] = X[r * C + j] / bc[j] / br;
+    }
+    B = b;
+    for (int j = 0; j < C; ++j) put(c.col_dt, e.col.data(), j, w.bc[j]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* row = B + r * C;
+    float lo, hi;
+    row_range(row, C, lo, hi);
+    const float delta = std::max((hi - lo) / static_cast<float>(levels), RANGE_GUARD);
+    row_codes(row, C, lo, delta, static_cast<float>(levels), e.q.data() + r * C);
+    const float s = c.varn ? w.br[r] : 1.f;
+    put(c.scale_dt, e.a.data(), r, c.varn ? delta * s : delta);
+    put(c.zero_dt, e.z.data(), r, c.varn ? lo * s : lo);
+  }
+  // planes (kvarn.ops.packing): byte j of a row holds codes j + k m, k < 8 / bits, at bits [k b, (k + 1) b)
+  const int mb = c.mb(), per = 8 / c.bits;
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* q = e.q.data() + r * C;
+    uint8_t* out = e.codes.data() + r * mb;
+    for (int j = 0; j < mb; ++j) {
+      uint8_t byte = 0;
+      for (int k = 0; k < per; ++k) byte |= static_cast<uint8_t>(q[k * mb + j] << (k * c.bits));
+      out[j] = byte;
+    }
+  }
+}
+
+// sum_{g, d} weight_d (x^[g, d] - x[g, d])^2 of one encoding, x^ decoded from its stored fields and rotated back
+// (kvarn.quant.policy.weighted_error; x0t the unrotated tile channel-major [D][G], weight [D] or null = 1).
+double weighted_error(const Config& c, const Encoded& e, bool rotated, const float* x0t, const float* weight,
+                      Work& w) {
+  const int R = c.R, C = c.C, G = c.G, D = c.D;
+  float* rec = w.rec.data();  // channel-major [D][G]
+  float* t = w.tf.data();     // the stored fields as float32, once (get() per element does not vectorize)
+  for (int j = 0; j < C; ++j) t[j] = c.varn ? get(c.col_dt, e.col.data(), j) : 1.f;
+  // decoded rows [R][C]: for keys (rows = channels) that is rec itself, for values the rows are transposed after
+  float* dec = c.channel ? rec : w.zc.data();  // zc: VarN's scratch, free once both candidates are encoded
+  for (int r = 0; r < R; ++r) {
+    const float a = get(c.scale_dt, e.a.data(), r), z = get(c.zero_dt, e.z.data(), r);
+    const uint8_t* q = e.q.data() + r * C;
+    float* out = dec + r * C;
+    if (c.varn) {
+#pragma omp simd
+      for (int j = 0; j < C; ++j) out[j] = (static_cast<float>(q[j]) * a + z) * t[j];
+    } else {
+#pragma omp simd
+      for (int j = 0; j < C; ++j) out[j] = static_cast<float>(q[j]) * a + z;
+    }
+  }
+  if (!c.channel)  // [G][D] -> [D][G]
+    for (int d = 0; d < D; ++d)
+#pragma omp simd
+      for (int g = 0; g < G; ++g) rec[d * G + g] = dec[g * D + d];
+  if (rotated) fwht_rows(rec, D, G);
+  double total = 0.0;
+  for (int d = 0; d < D; ++d) {
+    double part = 0.0;
+#pragma omp simd reduction(+ : part)
+    for (int g = 0; g < G; ++g) {
+      const double diff = static_cast<double>(rec[d * G + g]) - x0t[d * G + g];
+      part += diff * diff;
+    }
+    total += (weight ? weight[d] : 1.0) * part;
+  }
+  return total;
+}
+
+struct Out {
+  uint8_t *codes, *rot;
+  bool *finite_in, *finite_out;
+  char *a, *z, *col;
+};
+
+void emit(const Config& c, const Encoded& e, const Out& o, int64_t n) {
+  const int sa = item_size(c.scale_dt), sz = item_size(c.zero_dt), sc = item_size(c.col_dt);
+  std::memcpy(o.codes + n * c.R * c.mb(), e.codes.data(), e.codes.size());
+  std::memcpy(o.a + n * c.R * sa, e.a.data(), e.a.size());
+  std::memcpy(o.z + n * c.R * sz, e.z.data(), e.z.size());
+  if (o.col) std::memcpy(o.col + n * c.C * sc, e.col.data(), e.col.size());
+}
+
+// tile n of x [N][G][D] (float32/fp16/bf16, strided) as float32, channel-major [D][G]. Returns whether it is finite; a tile
+// that is not is replaced by zeros (what the cache encodes in place of a tile it keeps exact).
+bool load_tile(const at::Tensor& x, int64_t n, int G, int D, float* out) {
+  const int64_t base = n * x.stride(0), sg = x.stride(1), sd = x.stride(2);  // any strides: no copy of a slice
+  float probe = 0.f;  // v - v is 0 for a finite v and NaN for inf or NaN
+  auto fill = [&](auto* p) {
+    for (int g = 0; g < G; ++g)
+      for (int d = 0; d < D; ++d) {
+        const float v = static_cast<float>(p[base + g * sg + d * sd]);
+        out[d * G + g] = v;
+        probe += v - v;
+      }
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: fill(x.data_ptr<float>()); break;
+    case at::kHalf: fill(x.data_ptr<c10::Half>()); break;
+    default: fill(x.data_ptr<c10::BFloat16>());
+  }
+  if (probe == 0.f) return true;
+  std::fill(out, out + G * D, 0.f);
+  return false;
+}
+
+// every stored scale of an encoding is finite (fp16 overflows to inf, e4m3 to NaN)
+bool fields_finite(const Config& c, const Encoded& e) {
+  float probe = 0.f;
+  for (int r = 0; r < c.R; ++r) {
+    const float a = get(c.scale_dt, e.a.data(), r), z = get(c.zero_dt, e.z.data(), r);
+    probe += (a - a) + (z - z);
+  }
+  if (c.varn)
+    for (int j = 0; j < c.C; ++j) {
+      const float t = get(c.col_dt, e.col.data(), j);
+      probe += t - t;
+    }
+  return probe == 0.f;
+}
+
+// one tile, channel-major x0t [D][G] float32 -> X in the quantization layout (rotated along D when asked)
+void to_rows(const Config& c, const float* x0t, bool rotate, float* X) {
+  const int G = c.G, D = c.D;
+  if (c.channel) {
+    std::memcpy(X, x0t, G * D * 4);
+    if (rotate) fwht_rows(X, D, G);
+    return;
+  }
+  const float* src = x0t;
+  std::vector<float> tmp;
+  if (rotate) {
+    tmp.assign(x0t, x0t + G * D);
+    fwht_rows(tmp.data(), D, G);
+    src = tmp.data();
+  }
+  for (int d = 0; d < D; ++d)
+    for (int g = 0; g < G; ++g) X[g * D + d] = src[d * G + g];
+}
+
+}  // namespace
+
+// x [N][G][D] float32/fp16/bf16, any strides; weight [N][D] float32 (rotate = auto, weighted) or empty.
+// Returns codes [N][R][C*bits/8] uint8, row_scale and row_zero [N][R] (scale dtype; the zero fp16 for 8-bit scales), col_scale [N][C] (col dtype;
+// undefined without VarN), rotated [N] uint8 (undefined unless rotate = auto), and two [N] bool flags: the input tile
+// was finite (else it was encoded as zeros), every stored scale is finite.
+std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t bits, bool channel,
+                                    int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,
+                                    bool relative) {
+  TORCH_CHECK(x.dim() == 3 && x.device().is_cpu(), "kvarn store: x must be [N, G, D] on the CPU");
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "kvarn store: bits must be 1, 2, 4 or 8");
+  Config c;
+  const int64_t N = x.size(0);
+  c.G = static_cast<int>(x.size(1));
+  c.D = static_cast<int>(x.size(2));
+  c.channel = channel;
+  c.R = channel ? c.D : c.G;
+  c.C = channel ? c.G : c.D;
+  c.bits = static_cast<int>(bits);
+  c.rotate = static_cast<int>(rotate);
+  c.iters = static_cast<int>(iters);
+  c.varn = use_varn;
+  c.relative = relative && use_varn;
+  c.scale_dt = static_cast<int>(scale_dt);
+  c.zero_dt = c.scale_dt == E4M3 ? F16 : c.scale_dt;
+  c.col_dt = static_cast<int>(col_dt);
+  c.weighted = weight.numel() > 0;
+  TORCH_CHECK(c.C % (8 / c.bits) == 0, "kvarn store: columns must fill whole bytes");
+  TORCH_CHECK(!c.varn || (c.R >= 2 && c.C >= 2), "kvarn store: VarN needs rows and columns >= 2");
+  TORCH_CHECK(!c.weighted || (weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 &&
+                              weight.size(0) == N && weight.size(1) == c.D),
+              "kvarn store: weight must be float32 [N, D] contiguous");
+  auto u8 = x.options().dtype(at::kByte);
+  at::Tensor codes = at::empty({N, c.R, c.mb()}, u8);
+  at::Tensor a = at::empty({N, c.R}, x.options().dtype(scalar_type(c.scale_dt)));
+  at::Tensor z = at::empty({N, c.R}, x.options().dtype(scalar_type(c.zero_dt)));
+  at::Tensor col = c.varn ? at::empty({N, c.C}, x.options().dtype(scalar_type(c.col_dt))) : at::Tensor();
+  at::Tensor rot = c.rotate == 2 ? at::empty({N}, u8) : at::Tensor();
+  at::Tensor fin = at::empty({N}, x.options().dtype(at::kBool)), fout = at::empty({N}, x.options().dtype(at::kBool));
+  Out o{codes.data_ptr<uint8_t>(), c.rotate == 2 ? rot.data_ptr<uint8_t>() : nullptr, fin.data_ptr<bool>(),
+        fout.data_ptr<bool>(),
+        static_cast<char*>(a.data_ptr()), static_cast<char*>(z.data_ptr()),
+        c.varn ? static_cast<char*>(col.data_ptr()) : nullptr};
+  const float* wp = c.weighted ? weight.data_ptr<float>() : nullptr;
+
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    Work w(c);
+    std::vector<float> x0(c.G * c.D);  // the tile, channel-major [D][G]
+    for (int64_t n = begin; n < end; ++n) {
+      o.finite_in[n] = load_tile(x, n, c.G, c.D, x0.data());
+      if (c.rotate != 2) {
+        to_rows(c, x0.data(), c.rotate == 1, w.x.data());
+        encode_rows(c, w.x.data(), w, w.rot);
+        emit(c, w.rot, o, n);
+        o.finite_out[n] = fields_finite(c, w.rot);
+        continue;
+      }
+      to_rows(c, x0.data(), true, w.x.data());
+      encode_rows(c, w.x.data(), w, w.rot);
+      to_rows(c, x0.data(), false, w.x.data());
+      encode_rows(c, w.x.data(), w, w.plain);
+      const float* wn = wp ? wp + n * c.D : nullptr;
+      const bool keep = weighted_error(c, w.rot, true, x0.data(), wn, w) <
+                        weighted_error(c, w.plain, false, x0.data(), wn, w);  // kvarn.quant.policy.query_weighted
+      emit(c, keep ? w.rot : w.plain, o, n);
+      o.finite_out[n] = fields_finite(c, keep ? w.rot : w.plain);
+      o.rot[n] = keep ? 1 : 0;
+    }
+  });
+  return {codes, a, z, col, rot, fin, fout};
+}
