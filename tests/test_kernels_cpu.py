@@ -104,6 +104,31 @@ def test_half_precision_inputs(dtype, seed):
     check_kernel(q, kn, vn, past, padding_mask([0, 3], 1, t + 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dense_rows_read_as_they_are(dtype, seed):
+    """Dense segments (sink, tail, fresh rows) handed to the kernel in fp16/bf16 are widened row by row inside it.
+    Widening a 16-bit float to float32 is exact, so the result must equal, bit for bit, the same call with the rows
+    converted to float32 beforehand (the arithmetic after the load is the same)."""
+    gen = torch.Generator().manual_seed(seed)
+    b, hkv, d, g, n = 2, 2, 64, 64, 3
+    k, v = make_inputs("heavy", b, hkv, n * g, d, gen), make_inputs("gauss", b, hkv, n * g, d, gen)
+    past = build_past("kvarn-k2v2-g64", k, v, sink=0)
+    kc, vc = past.keys.quantizer.config, past.values.quantizer.config
+    q = make_inputs("gauss", b, 3 * hkv, 1, d, gen)
+    rows = [tuple(make_inputs("heavy", b, hkv, t, d, gen).to(dtype) for _ in range(2)) for t in (16, 9, 1)]
+    pos = [0, 16 + n * g, 25 + n * g]  # sink | tiles | tail | fresh
+    table, count = torch.arange(n, dtype=torch.int32).expand(b, n), torch.full((b,), n, dtype=torch.int32)
+
+    def call(dense):
+        return decode_attention(q, PackedTiles.cache(past.keys.packed.fields, kc.bits, kc.rotate),
+                                PackedTiles.cache(past.values.packed.fields, vc.bits, vc.rotate), table, count, g,
+                                dense=dense, tiles_pos=16, splits=2)
+
+    native = call([(kk, vv, p) for (kk, vv), p in zip(rows, pos)])
+    widened = call([(kk.float(), vv.float(), p) for (kk, vv), p in zip(rows, pos)])
+    assert torch.equal(native, widened)
+
+
 def test_auto_rotation_mixed_flags(seed):
     """kvarn-auto with heads that favour opposite choices: both rotated and plain key and value tiles."""
     gen = torch.Generator().manual_seed(seed)

@@ -135,12 +135,12 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     (`attention.packed.allowed`), None for a single query without a mask (everything allowed)."""
     b = query.shape[0]
     dense = []
-    if keys.sink_len:
-        dense.append((keys.sink_rows(torch.float32), values.sink_rows(torch.float32), 0))
+    if keys.sink_len:  # in its stored dtype (fp16 by default): the kernel widens rows as it reads them
+        dense.append((keys.sink_rows(keys.sink.dtype), values.sink_rows(values.sink.dtype), 0))
     tail_pos = keys.sink_len + keys.n_tiles * keys.tile
     if keys.tail_len:
-        dense.append((keys.tail_rows(torch.float32), values.tail_rows(torch.float32), tail_pos))
-    dense.append((key.float(), value.float(), keys.length))
+        dense.append((keys.tail_rows(keys.tail.dtype), values.tail_rows(values.tail.dtype), tail_pos))
+    dense.append((key, value, keys.length))
     n = keys.n_tiles
     table, count = _table(b, n)
     out = kernel.decode_attention(query, _tiles(keys), _tiles(values), table, count, keys.tile, scaling=scale,

@@ -144,7 +144,7 @@ def fused_piece(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, q: to
     if fused.mode() == "torch" or q.shape[2] > fused.MAX_QUERIES:  # prefill pieces: PyTorch under every mode
         return None
     lay = pool.layout
-    sink = _sink_rows(pool, p, j, sink_blocks, torch.float32) if j else None
+    sink = _sink_rows(pool, p, j, sink_blocks, k.dtype) if j else None  # the kernel reads fp16/bf16 rows as they are
     ns = 0 if sink is None else sink[0].shape[2] // lay.tile
     n = j - ns
     why = "no packed tiles" if n <= 0 else fused.unsupported_query(q) or fused.unsupported_quantizers(lay.key_q,
@@ -153,7 +153,7 @@ def fused_piece(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, q: to
         return None
     g, length, t = lay.tile, q.shape[2], k.shape[2]
     dense = [] if sink is None else [(sink[0], sink[1], 0)]
-    dense.append((k.float(), v.float(), j * g))
+    dense.append((k, v, j * g))
     table = torch.tensor([p.blocks[ns:j]], dtype=torch.int32)
     ok = None if length == 1 else allowed(None, 1, length, j * g + t, q.device)  # causal within block j
     kc, vc = lay.key_q.config, lay.value_q.config

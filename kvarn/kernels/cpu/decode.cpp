@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -318,14 +319,28 @@ void finish_logits(const Job& J, int64_t b, int64_t h, float* s, int ss, int n, 
   }
 }
 
-// Dense rows K, V (row strides ks, vs) at positions pos.., plain basis, in chunks of the logit buffer.
-void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, const float* K, int64_t ks,
-                const float* V, int64_t vs, int64_t n, int64_t pos, float* s, int ss) {
+// A dense row of D elements as float32: float rows are read in place, fp16 / bf16 rows (a half-precision sink or
+// tail, kept in the model's dtype) are widened into buf, so the caller never converts whole segments per call.
+template <typename T>
+inline const float* row_f32(const T* src, int D, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    for (int d = 0; d < D; ++d) buf[d] = static_cast<float>(src[d]);
+    return buf;
+  }
+}
+
+// Dense rows K, V (row strides ks, vs, elements of type T) at positions pos.., plain basis, in chunks of the logit
+// buffer.
+template <typename T>
+void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, const T* K, int64_t ks,
+                const T* V, int64_t vs, int64_t n, int64_t pos, float* s, int ss, float* rowbuf) {
   const int M = J.M, D = J.D;
   for (int64_t c0 = 0; c0 < n; c0 += ss) {
     const int cn = static_cast<int>(std::min<int64_t>(ss, n - c0));
     for (int i = 0; i < cn; ++i) {
-      const float* k = K + (c0 + i) * ks;
+      const float* k = row_f32(K + (c0 + i) * ks, D, rowbuf);
       for (int m = 0; m < M; ++m) {
         float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         int d = 0;
@@ -339,14 +354,37 @@ void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, c
     }
     finish_logits(J, b, h, s, ss, cn, pos + c0);
     st.update(s, ss, cn);
-    for (int m = 0; m < M; ++m)
-      for (int i = 0; i < cn; ++i) {
+    for (int i = 0; i < cn; ++i) {
+      bool any = false;
+      for (int m = 0; m < M; ++m) any |= s[m * ss + i] != 0.f;
+      if (!any) continue;
+      const float* v = row_f32(V + (c0 + i) * vs, D, rowbuf);
+      for (int m = 0; m < M; ++m) {
         const float p = s[m * ss + i];
         if (p == 0.f) continue;
-        const float* v = V + (c0 + i) * vs;
         float* acc = st.acc_p.data() + m * D;
         for (int d = 0; d < D; ++d) acc[d] += p * v[d];
       }
+    }
+  }
+}
+
+// One dense segment (k, v [B, H, t, D] of float32, fp16 or bf16, unit stride on D) of row b, head h.
+void dense_segment(const Job& J, int64_t b, int64_t h, State& st, const float* q, const at::Tensor& k,
+                   const at::Tensor& v, int64_t pos, float* s, int ss, float* rowbuf) {
+  const int64_t ko = b * k.stride(0) + h * k.stride(1), vo = b * v.stride(0) + h * v.stride(1);
+  switch (k.scalar_type()) {
+    case at::kHalf:
+      dense_rows(J, b, h, st, q, k.data_ptr<at::Half>() + ko, k.stride(2), v.data_ptr<at::Half>() + vo, v.stride(2),
+                 k.size(2), pos, s, ss, rowbuf);
+      break;
+    case at::kBFloat16:
+      dense_rows(J, b, h, st, q, k.data_ptr<at::BFloat16>() + ko, k.stride(2), v.data_ptr<at::BFloat16>() + vo,
+                 v.stride(2), k.size(2), pos, s, ss, rowbuf);
+      break;
+    default:
+      dense_rows(J, b, h, st, q, k.data_ptr<float>() + ko, k.stride(2), v.data_ptr<float>() + vo, v.stride(2),
+                 k.size(2), pos, s, ss, rowbuf);
   }
 }
 
@@ -465,6 +503,16 @@ std::vector<at::Tensor> decode_attention(
   J.emap_blocks = exact_map.numel() ? exact_map.size(2) : 0;
   J.ek = exact_k.numel() ? exact_k.data_ptr<float>() : nullptr;
   J.ev = exact_v.numel() ? exact_v.data_ptr<float>() : nullptr;
+  TORCH_CHECK(dense_k.size() == dense_v.size() && dense_k.size() == dense_pos.size(), "kvarn decode: dense lists");
+  for (size_t i = 0; i < dense_k.size(); ++i) {
+    const at::Tensor &k = dense_k[i], &v = dense_v[i];
+    const auto t = k.scalar_type();
+    TORCH_CHECK((t == at::kFloat || t == at::kHalf || t == at::kBFloat16) && v.scalar_type() == t,
+                "kvarn decode: dense rows must be float32, float16 or bfloat16, keys and values alike");
+    TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(3) == J.D && v.size(3) == J.D && k.stride(3) == 1 &&
+                    v.stride(3) == 1 && v.size(2) == k.size(2),
+                "kvarn decode: dense rows must be [B, H, t, D] with unit stride on D");
+  }
   J.dk = dense_k;
   J.dv = dense_v;
   J.dpos = dense_pos;
@@ -488,7 +536,7 @@ std::vector<at::Tensor> decode_attention(
 
   at::parallel_for(0, B * H * S, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(static_cast<int>(M), static_cast<int>(D), static_cast<int>(J.G), ss);
-    std::vector<float> qbuf(2 * M * D);
+    std::vector<float> qbuf(2 * M * D), rowbuf(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (H * S), h = item / S % H, s = item % S;
       State st(static_cast<int>(M), static_cast<int>(D));
@@ -507,18 +555,15 @@ std::vector<at::Tensor> decode_attention(
         const int64_t pos = J.tiles_pos + j * J.G;
         const int32_t e = J.emap ? J.emap[(b * H + h) * J.emap_blocks + j] : -1;
         if (e >= 0) {  // kept exact (non-finite input): its exact copy, in the plain basis
-          dense_rows(J, b, h, st, qp, J.ek + e * J.G * D, D, J.ev + e * J.G * D, D, J.G, pos, sc.s.data(), ss);
+          dense_rows(J, b, h, st, qp, J.ek + e * J.G * D, D, J.ev + e * J.G * D, D, J.G, pos, sc.s.data(), ss,
+                     rowbuf.data());
         } else {
           packed_tile(J, b, h, J.bt[b * J.bt_stride + j], st, sc, pos, qp, qr);
         }
       }
       if (s == S - 1) {
-        for (size_t i = 0; i < J.dk.size(); ++i) {
-          const at::Tensor &k = J.dk[i], &v = J.dv[i];
-          const float* kp = k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1);
-          const float* vp = v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1);
-          dense_rows(J, b, h, st, qp, kp, k.stride(2), vp, v.stride(2), k.size(2), J.dpos[i], sc.s.data(), ss);
-        }
+        for (size_t i = 0; i < J.dk.size(); ++i)
+          dense_segment(J, b, h, st, qp, J.dk[i], J.dv[i], J.dpos[i], sc.s.data(), ss, rowbuf.data());
       }
       std::memcpy(pmx + item * M, st.mx.data(), M * 4);
       std::memcpy(pl + item * M, st.l.data(), M * 4);

@@ -38,6 +38,7 @@ FIELDS = ("codes", "row_scale", "row_zero", "col_scale", "rotated")
 ROTATE = {"none": 0, "hadamard": 1, "auto": 2}
 KERNEL_BITS = (1, 2, 4, 8)
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+DENSE_DTYPES = (torch.float16, torch.bfloat16)  # dense rows read in these dtypes as they are (others: float32)
 MIN_TILES_PER_SPLIT = 8
 
 _EMPTY = torch.empty(0)
@@ -142,11 +143,11 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
                    splits: int | None = None, hadamard: torch.Tensor | None = None, scale: float = 1.0,
                    validate: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The kernel itself: qs (plain) and qh = qs H, float32 [B, Hkv, M, D] (row j*L + l = query head h*groups + j at
-    position l), multiplied by `scale` in the kernel; dense = (k, v, position) float32 [B, Hkv, t, D]. Returns the
-    value outputs of the plain and of the rotated basis, float32 [B, Hkv, M, D] each, already divided by the softmax
-    sum. With `hadamard` (H float32 [D, D]) the kernel computes q~ = q H itself (qh unused) and returns
-    (plain + rotated H, None): the rotation back, once per row. validate=False skips the field checks (callers that
-    pass a store's own fields)."""
+    position l), multiplied by `scale` in the kernel; dense = (k, v, position) [B, Hkv, t, D] (float32; fp16 / bf16
+    rows are read as they are). Returns the value outputs of the plain and of the rotated basis, float32
+    [B, Hkv, M, D] each, already divided by the softmax sum. With `hadamard` (H float32 [D, D]) the kernel computes
+    q~ = q H itself (qh unused) and returns (plain + rotated H, None): the rotation back, once per row.
+    validate=False skips the field checks (callers that pass a store's own fields)."""
     ext = load()
     if ext is None:
         raise RuntimeError("the fused CPU decode kernel is unavailable (see the warning above)")
@@ -165,8 +166,8 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
     kt, ks = keys.args()
     vt, vs = values.args()
     em, ek, ev = exact if exact is not None else (_EMPTY, _EMPTY, _EMPTY)
-    dk = [_rows(k) for k, _, _ in dense]
-    dv = [_rows(v) for _, v, _ in dense]
+    dk = [_rows(k, DENSE_DTYPES if k.dtype == v.dtype else ()) for k, v, _ in dense]
+    dv = [_rows(v, DENSE_DTYPES if k.dtype == v.dtype else ()) for k, v, _ in dense]
     if bias is not None:
         bias = _rows(bias).expand(b, *bias.shape[1:])
     s = splits or auto_splits(b, h, block_table.shape[1])
@@ -205,8 +206,8 @@ def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles
     return out.reshape(b, hq, length, d)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """float32 with unit stride on the last axis (rows read as plain arrays)."""
-    x = _f32(x)
+def _rows(x: torch.Tensor, keep: tuple[torch.dtype, ...] = ()) -> torch.Tensor:
+    """Unit stride on the last axis (rows read as plain arrays); float32 unless x's dtype is in `keep`."""
+    x = x if x.dtype in keep else _f32(x)
     return x if x.stride(-1) == 1 else x.contiguous()
 
