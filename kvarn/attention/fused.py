@@ -17,7 +17,8 @@ import torch
 
 from kvarn.attention.view import StoredKV
 from kvarn.kernels.cpu import decode as kernel
-from kvarn.kernels.cpu.build import mode  # also read by packed.py and integrations.vllm.paged as fused.mode
+from kvarn.kernels.cpu.build import error, mode  # mode: also read by integrations.vllm.paged as fused.mode
+from kvarn.kernels.cpu.build import take as take_kernel
 from kvarn.quant.affine import AffineQuantizer
 from kvarn.quant.base import Packed
 
@@ -62,19 +63,13 @@ def unsupported(query: torch.Tensor, keys: StoredKV | None, values: StoredKV | N
 
 
 def take(why: str | None) -> bool:
-    """Whether a step for which the kernel gave `why` (None: it can serve it) takes the kernel, by KVARN_KERNEL:
-    torch never, auto when it can and the extension loads, cpu always (an error names why it cannot; "no packed
-    tiles" is not an error: there is nothing to fuse)."""
-    m = mode()
-    if m == "torch":
+    """Whether a step for which the kernel gave `why` (None: it can serve it) takes the kernel, by KVARN_KERNEL
+    (`kvarn.kernels.cpu.build.take`); "no packed tiles" is not an error under cpu: there is nothing to fuse."""
+    if mode() == "torch":  # before `available()`: the reference path never builds the extension
         return False
-    if why is None and kernel.available():
-        return True
-    if m == "cpu" and why != "no packed tiles":
-        from kvarn.kernels.cpu.build import error
-
-        raise RuntimeError(f"KVARN_KERNEL=cpu, but the fused kernel cannot serve this step: {why or error()}")
-    return False
+    if why is None and not kernel.available():
+        why = error() or "the extension is unavailable"
+    return take_kernel(why, "the fused kernel cannot serve this step", optional=("no packed tiles",))
 
 
 def _tiles(view: StoredKV) -> kernel.PackedTiles:

@@ -271,9 +271,7 @@ def _value_out(p: torch.Tensor, view: StoredKV | None, v_new: torch.Tensor, cd: 
 
 def _use_fused(query: torch.Tensor, past: KVarNPast | None) -> bool:
     """Whether this step takes the fused kernel (kvarn.attention.fused; KVARN_KERNEL=torch never, =cpu always)."""
-    if past is None or fused.mode() == "torch":
-        return False
-    return fused.take(fused.unsupported(query, past.keys, past.values))
+    return past is not None and fused.take(fused.unsupported(query, past.keys, past.values))
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast | None,

@@ -24,6 +24,7 @@ import torch
 
 from kvarn.kernels.cpu import store as store_kernel
 from kvarn.kernels.cpu.build import mode as kernel_mode
+from kvarn.kernels.cpu.build import take as take_kernel
 from kvarn.ops.hadamard import hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
@@ -158,13 +159,9 @@ class AffineQuantizer(TileQuantizer):
 
     def _kernel(self, x: torch.Tensor) -> bool:
         """Whether the fused store kernel encodes x (KVARN_KERNEL: torch never; cpu always, or an error says why)."""
-        m = kernel_mode()
-        if m == "torch":
-            return False
-        why = store_kernel.unsupported(self, x)
-        if why is not None and m == "cpu":
-            raise RuntimeError(f"KVARN_KERNEL=cpu, but the fused store kernel cannot encode {self.name}: {why}")
-        return why is None
+        # torch is checked first so that the reference path never even builds the extension
+        return kernel_mode() != "torch" and take_kernel(store_kernel.unsupported(self, x),
+                                                        f"the fused store kernel cannot encode {self.name}")
 
     def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Packed:
         """The PyTorch path of `encode` (the oracle of the kernel), for checked tiles x [N, G, D]."""

@@ -34,6 +34,20 @@ def mode() -> str:
     return m
 
 
+def take(why: str | None, what: str, optional: tuple[str, ...] = ()) -> bool:
+    """Whether a call takes a kernel that gave `why` (None: it can serve the call), by KVARN_KERNEL: torch never, auto
+    when it can, cpu always: a RuntimeError says why it cannot (`what`: which kernel and call), except for the reasons
+    in `optional`, where there is nothing for a kernel to do."""
+    m = mode()
+    if m == "torch":
+        return False
+    if why is None:
+        return True
+    if m == "cpu" and why not in optional:
+        raise RuntimeError(f"KVARN_KERNEL=cpu, but {what}: {why}")
+    return False
+
+
 def _machine_tag() -> str:
     flags = ""
     try:

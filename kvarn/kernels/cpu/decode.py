@@ -166,8 +166,9 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
     kt, ks = keys.args()
     vt, vs = values.args()
     em, ek, ev = exact if exact is not None else (_EMPTY, _EMPTY, _EMPTY)
-    dk = [_rows(k, DENSE_DTYPES if k.dtype == v.dtype else ()) for k, v, _ in dense]
-    dv = [_rows(v, DENSE_DTYPES if k.dtype == v.dtype else ()) for k, v, _ in dense]
+    keep = [DENSE_DTYPES if k.dtype == v.dtype else () for k, v, _ in dense]  # 16-bit rows as they are, in pairs
+    dk = [_rows(k, kp) for (k, _, _), kp in zip(dense, keep)]
+    dv = [_rows(v, kp) for (_, v, _), kp in zip(dense, keep)]
     if bias is not None:
         bias = _rows(bias).expand(b, *bias.shape[1:])
     s = splits or auto_splits(b, h, block_table.shape[1])
