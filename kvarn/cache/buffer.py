@@ -67,7 +67,12 @@ class Buffer:
                               or d.device != x.device):
             raise ValueError(f"cannot append {tuple(x.shape)} {x.dtype} to a buffer of {tuple(d.shape)} {d.dtype}")
         if d is None or need > d.shape[2]:
-            new = x.new_empty((*x.shape[:2], capacity_for(need, self.limit), *x.shape[3:]))
+            cap = capacity_for(need, self.limit)
+            if cap == need:  # an exact fit (n < 25): one op allocates and copies both parts
+                self.data = torch.cat([d[:, :, : self.n], x], dim=2) if self.n else _compact(x)
+                self.n = need
+                return
+            new = x.new_empty((*x.shape[:2], cap, *x.shape[3:]))
             if self.n:
                 new[:, :, : self.n] = d[:, :, : self.n]
             self.data = new

@@ -115,6 +115,9 @@ class StoreStats:
         return StoreStats(**{f.name: getattr(self, f.name) + getattr(o, f.name) for f in dataclasses.fields(self)})
 
 
+_NO_STATS = StoreStats()  # nothing unusual (compared with, never changed)
+
+
 @dataclass
 class _Encoded:
     """Tiles quantized but not yet committed (so a refusal leaves the store unchanged)."""
@@ -330,13 +333,12 @@ class TensorStore:
         if w is not None:  # one weight row per tile, in flat's (b, h, tile) order
             w = w.to(flat.device).unsqueeze(2).expand(b, h, m, d).reshape(-1, d)
         packed, finite, scale_ok = self.quantizer.encode_tiles(flat, w)  # non-finite tiles encoded as zeros
-        dtype_ok = self._fits_dtype(packed, flat, finite & scale_ok, x.dtype)
-        ok = finite & scale_ok & dtype_ok
+        ok = self._fits_dtype(packed, flat, finite & scale_ok, x.dtype)
         if bool(ok.all()):  # the usual case: nothing kept exact, no index arithmetic
             return _Encoded(packed.unflatten((b, h, m)), _NO_INDEX, flat[:0], stats)
         stats.exact_nonfinite = int((~finite).sum())
         stats.exact_scale_overflow = int((finite & ~scale_ok).sum())
-        stats.exact_dtype_overflow = int((finite & scale_ok & ~dtype_ok).sum())
+        stats.exact_dtype_overflow = int((finite & scale_ok & ~ok).sum())
         exact = ~ok
         idx = exact.nonzero().squeeze(1)
         bi, hi, ti = idx // (h * m), idx // m % h, idx % m
@@ -352,12 +354,12 @@ class TensorStore:
         return _Encoded(packed.unflatten((b, h, m)), torch.stack([bi, hi, ti], 1), tiles.flatten(0, 2)[idx], stats)
 
     def _fits_dtype(self, packed: Packed, flat: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[N] bool: the tile decodes to finite values in the store dtype (module docstring: the bound that
-        selects which tiles to decode); where the dtype cannot overflow, `ok` itself (the caller ands them)."""
+        """[N] bool: `ok` and the tile decodes to finite values in the store dtype (module docstring: the bound that
+        selects which tiles to decode)."""
         top = torch.finfo(dtype).max
         if top >= torch.finfo(torch.float32).max:
-            return ok  # nothing can overflow: ok & fits is ok
-        fits = torch.ones_like(ok)
+            return ok  # nothing can overflow
+        fits = ok.clone()
         cand = (ok & (flat.abs().amax(dim=(1, 2)).float() > top / (2 * flat.shape[2]))).nonzero().squeeze(1)
         if len(cand):
             dec = self.quantizer.decode(packed.select(cand), torch.float32)
@@ -374,7 +376,8 @@ class TensorStore:
             ex = enc.exact_values
             self.exact_values = ex if self.exact_values is None else torch.cat([self.exact_values, ex])
         self._packed.append(enc.packed)
-        self.stats = self.stats + enc.stats
+        if enc.stats != _NO_STATS:
+            self.stats = self.stats + enc.stats
         if self._decoded is not None:
             self._decoded.append(self._decode_packed(enc.packed, first))
         assert self.n_tiles == first + m

@@ -160,8 +160,10 @@ class AffineQuantizer(TileQuantizer):
     def _kernel(self, x: torch.Tensor) -> bool:
         """Whether the fused store kernel encodes x (KVARN_KERNEL: torch never; cpu always, or an error says why)."""
         # torch is checked first so that the reference path never even builds the extension
-        return kernel_mode() != "torch" and take_kernel(store_kernel.unsupported(self, x),
-                                                        f"the fused store kernel cannot encode {self.name}")
+        if kernel_mode() == "torch":
+            return False
+        why = store_kernel.unsupported(self, x)
+        return why is None or take_kernel(why, f"the fused store kernel cannot encode {self.name}")
 
     def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Packed:
         """The PyTorch path of `encode` (the oracle of the kernel), for checked tiles x [N, G, D]."""

@@ -3,8 +3,9 @@
 // cast, pack; rotate = auto encodes both bases, decodes both and keeps the lower weighted error.
 //
 // Every float32 operation is the reference's, in its order (x / c / r, q * a + z, then * t), without fused
-// multiply-adds (the pragma below); statistics accumulate in double. What can still differ: expf / logf (glibc
-// vs Sleef, 1 ulp at most) and the last bit of a std (torch's accumulation order).
+// multiply-adds (the pragma below); statistics accumulate in double, with explicit fused multiply-adds. What can still
+// differ: expf / logf (Sleef here, MKL in torch: 1 ulp at most) and the last bits of a std (exact quotients summed
+// here, torch sums their float32 roundings).
 #pragma GCC optimize("fp-contract=off")
 
 #include <torch/extension.h>
@@ -16,12 +17,16 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
+#if defined(__AVX512F__)
+#include <sleef.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -111,106 +116,118 @@ struct Encoded {
         col(c.C * item_size(c.col_dt)) {}
 };
 
+// A thread's scratch for one tile shape (kept between calls: allocating and zeroing it cost as much as a small call)
 struct Work {
-  std::vector<float> x, zc, y, b, sc, sr, lc, lr, ec, er, bc, br, tf, rec;
-  std::vector<double> zsd, shift;
-  Encoded rot, plain;
+  int G, D, R;
+  std::vector<float> x0, x, dec, b, sc, sr, lc, lr, ec, er, bc, br, tf, rec;
+  std::vector<double> zsd, iec, ier;
   Work(const Config& c)
-      : x(c.R * c.C), zc(c.R * c.C), y(c.C), b(c.R * c.C), sc(c.C), sr(c.R), lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R), tf(c.C),
-        rec(c.G * c.D), zsd(c.R), shift(std::max(c.R, c.C)), rot(c), plain(c) {}
+      : G(c.G), D(c.D), R(c.R), x0(c.G * c.D), x(c.R * c.C), dec(c.R * c.C), b(c.R * c.C), sc(c.C), sr(c.R),
+        lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R), tf(c.C), rec(c.G * c.D), zsd(c.R), iec(c.C), ier(c.R) {}
 };
 
-// The stds of Y = Z / er[rows], Z = X / ec[cols] (the reference's x / c / r), for the VarN statistics. Z is formed
-// in float32 exactly as the reference forms it; a std is taken of the exact quotient z / er in double instead of its
-// float32 rounding (a relative change below 2^-24 per element, which averages out in a std), so a row's std is
-// std(Z row) / er and only the columns need a second sweep. Sums in double of the deviations from the first element
-// of the row (column): a constant row gives exactly 0, and large offsets do not cancel the variance.
-// (Forming Z by a product with 1 / ec instead was measured: it moves near-tied Imb enough to pick another iteration
-// of VarN's gauge on a tile of offset 1e6, whose fp16 zero then no longer overflows as the reference's does.)
-
-// s = sum_j (z_j - z_0), ss = sum_j (z_j - z_0)^2 in double (explicit vectors: gcc's reduction epilogue was as slow
-// as the loop for rows of 64)
-void moments(const float* z, int n, double& s, double& ss) {
-  const double k = z[0];
-  int j = 0;
-  s = ss = 0.0;
-#if defined(__AVX512F__)
-  const __m512d vk = _mm512_set1_pd(k);
-  __m512d s0 = _mm512_setzero_pd(), s1 = s0, q0 = s0, q1 = s0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512 v = _mm512_loadu_ps(z + j);
-    const __m512d d0 = _mm512_sub_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), vk);
-    const __m512d d1 = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))), vk);
-    s0 = _mm512_add_pd(s0, d0);
-    s1 = _mm512_add_pd(s1, d1);
-    q0 = _mm512_add_pd(q0, _mm512_mul_pd(d0, d0));
-    q1 = _mm512_add_pd(q1, _mm512_mul_pd(d1, d1));
-  }
-  s = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
-  ss = _mm512_reduce_add_pd(_mm512_add_pd(q0, q1));
-#endif
-  for (; j < n; ++j) {
-    const double d = static_cast<double>(z[j]) - k;
-    s += d;
-    ss += d * d;
-  }
+Work& work_for(const Config& c) {
+  thread_local std::unique_ptr<Work> w;
+  if (!w || w->G != c.G || w->D != c.D || w->R != c.R) w = std::make_unique<Work>(c);
+  return *w;
 }
 
-// w.zc = X / ec[cols] and w.zsd[r] = std of row r of Z, in double
-// (unit: ec is all ones, as before the first iteration, so Z = X exactly and the divisions are skipped)
-void scale_cols(const Config& c, const float* X, Work& w, bool unit = false) {
+// The VarN statistics of Y = X / ec[cols] / er[rows] (the reference forms Y in float32, x / c / r, and takes its stds
+// with double accumulation). The kernel never forms Y: a std is taken of the exact quotient in double, whose float32
+// rounding is what torch sums (a relative change below 2^-24 per element, which averages out in a std). Per row r of
+// Z = X / ec the deviations d_j = x_j / ec_j - x_0 / ec_0 (one fused multiply-add by 1 / ec in double); per column j
+// of X / er the deviations from the first row, and the column std of Y is that std / ec_j. Sums in double of the
+// deviations from the first element of each row (column): a constant row gives exactly 0, and large offsets do not
+// cancel the variance. Only the statistics are computed this way; every float32 value the tile is stored from (B,
+// lo, delta, codes, scales) is formed with the reference's own operations in encode_rows.
+
+double std_of(double s, double ss, int n) { return std::sqrt(std::max((ss - s * s / n) / (n - 1), 0.0)); }
+
+// w.zsd[r] = std over j of x[r][j] * iec[j], in double
+void row_stds(const Config& c, const float* X, Work& w) {
   const int R = c.R, C = c.C;
-  const float* ec = w.ec.data();
+  const double* iec = w.iec.data();
   for (int r = 0; r < R; ++r) {
-    float* z = w.zc.data() + r * C;
-    const float* xr = X + r * C;
-    if (unit)
-      std::memcpy(z, xr, C * sizeof(float));
-    else
-#pragma omp simd
-      for (int j = 0; j < C; ++j) z[j] = xr[j] / ec[j];  // the reference's rounding (a product by 1 / ec is not)
-    double s, ss;
-    moments(z, C, s, ss);
-    w.zsd[r] = std::sqrt(std::max((ss - s * s / C) / (C - 1), 0.0));
+    const float* x = X + r * C;
+    const double k = x[0] * iec[0];
+    double s = 0.0, ss = 0.0;
+    int j = 0;
+#if defined(__AVX512F__)
+    const __m512d vk = _mm512_set1_pd(k);
+    __m512d s0 = _mm512_setzero_pd(), s1 = s0, q0 = s0, q1 = s0;
+    for (; j + 16 <= C; j += 16) {
+      const __m512 v = _mm512_loadu_ps(x + j);
+      const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+      const __m512d x1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+      const __m512d d0 = _mm512_fmsub_pd(x0, _mm512_loadu_pd(iec + j), vk);
+      const __m512d d1 = _mm512_fmsub_pd(x1, _mm512_loadu_pd(iec + j + 8), vk);
+      s0 = _mm512_add_pd(s0, d0);
+      s1 = _mm512_add_pd(s1, d1);
+      q0 = _mm512_fmadd_pd(d0, d0, q0);
+      q1 = _mm512_fmadd_pd(d1, d1, q1);
+    }
+    s = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+    ss = _mm512_reduce_add_pd(_mm512_add_pd(q0, q1));
+#endif
+    for (; j < C; ++j) {
+      const double d = std::fma(static_cast<double>(x[j]), iec[j], -k);
+      s += d;
+      ss = std::fma(d, d, ss);
+    }
+    w.zsd[r] = std_of(s, ss, C);
   }
 }
 
-// w.sr = std of the rows of Y = Z / er, w.sc = of its columns (blocks of 16 columns kept in registers over all rows)
-void stats(const Config& c, Work& w) {
-  constexpr int B = 16;
+// w.sr = std of the rows of Y (w.zsd / er), w.sc = of its columns (blocks of 16 columns kept in registers over all
+// rows, two independent accumulators per block: even and odd rows)
+void stats(const Config& c, const float* X, Work& w) {
   const int R = c.R, C = c.C;
-  double* inv = w.shift.data();  // reused: 1 / er
+  double* ier = w.ier.data();
   for (int r = 0; r < R; ++r) {
     w.sr[r] = static_cast<float>(w.zsd[r] / w.er[r]);
-    inv[r] = 1.0 / w.er[r];
+    ier[r] = 1.0 / w.er[r];
   }
-  const float* Z = w.zc.data();
   int j0 = 0;
-  for (; j0 + B <= C; j0 += B) {
-    double sh[B], s[B], ss[B];
-    for (int j = 0; j < B; ++j) sh[j] = Z[j0 + j] * inv[0], s[j] = 0.0, ss[j] = 0.0;
-    for (int r = 0; r < R; ++r) {
-      const float* z = Z + r * C + j0;
-      const double ir = inv[r];
-#pragma omp simd
-      for (int j = 0; j < B; ++j) {
-        const double d = z[j] * ir - sh[j];
-        s[j] += d;
-        ss[j] += d * d;
-      }
-    }
-    for (int j = 0; j < B; ++j)
-      w.sc[j0 + j] = static_cast<float>(std::sqrt(std::max((ss[j] - s[j] * s[j] / R) / (R - 1), 0.0)));
+#if defined(__AVX512F__)
+  for (; j0 + 16 <= C; j0 += 16) {
+    const __m512 v0 = _mm512_loadu_ps(X + j0);
+    const __m512d i0 = _mm512_set1_pd(ier[0]);
+    const __m512d h0 = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v0)), i0);
+    const __m512d h1 =
+        _mm512_mul_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v0), 1))), i0);
+    __m512d s[4], q[4];
+    for (int a = 0; a < 4; ++a) s[a] = q[a] = _mm512_setzero_pd();
+    auto add = [&](int r, int a) {
+      const __m512 v = _mm512_loadu_ps(X + r * C + j0);
+      const __m512d ir = _mm512_set1_pd(ier[r]);
+      const __m512d d0 = _mm512_fmsub_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), ir, h0);
+      const __m512d d1 =
+          _mm512_fmsub_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))), ir, h1);
+      s[a] = _mm512_add_pd(s[a], d0);
+      s[a + 1] = _mm512_add_pd(s[a + 1], d1);
+      q[a] = _mm512_fmadd_pd(d0, d0, q[a]);
+      q[a + 1] = _mm512_fmadd_pd(d1, d1, q[a + 1]);
+    };
+    int r = 0;
+    for (; r + 2 <= R; r += 2) add(r, 0), add(r + 1, 2);
+    if (r < R) add(r, 0);
+    alignas(64) double st[16], sq[16];
+    _mm512_store_pd(st, _mm512_add_pd(s[0], s[2]));
+    _mm512_store_pd(st + 8, _mm512_add_pd(s[1], s[3]));
+    _mm512_store_pd(sq, _mm512_add_pd(q[0], q[2]));
+    _mm512_store_pd(sq + 8, _mm512_add_pd(q[1], q[3]));
+    for (int j = 0; j < 16; ++j) w.sc[j0 + j] = static_cast<float>(std_of(st[j], sq[j], R) * w.iec[j0 + j]);
   }
-  for (int j = j0; j < C; ++j) {  // the columns left over (C not a multiple of 16)
-    const double sh = Z[j] * inv[0];
+#endif
+  for (int j = j0; j < C; ++j) {  // the columns left over (C not a multiple of 16, or no AVX-512)
+    const double h = X[j] * ier[0];
     double s = 0.0, ss = 0.0;
     for (int r = 0; r < R; ++r) {
-      const double d = Z[r * C + j] * inv[r] - sh;
+      const double d = std::fma(static_cast<double>(X[r * C + j]), ier[r], -h);
       s += d;
-      ss += d * d;
+      ss = std::fma(d, d, ss);
     }
-    w.sc[j] = static_cast<float>(std::sqrt(std::max((ss - s * s / R) / (R - 1), 0.0)));
+    w.sc[j] = static_cast<float>(std_of(s, ss, R) * w.iec[j]);
   }
 }
 
@@ -219,12 +236,31 @@ float spread(const std::vector<float>& s) {
   return *mx / std::max(*mn, IMB_FLOOR);
 }
 
-// l <- clamp(l + ln(clamp(sigma, 1e-3, 1e3)), -0.3, 10), e = exp(l)
+// l <- clamp(l + ln(clamp(sigma, 1e-3, 1e3)), -0.3, 10), e = exp(l); vectorized with Sleef (torch's own exp/log on
+// this build are MKL's: either is within 1 ulp of the exact value)
 void step(std::vector<float>& l, std::vector<float>& e, const std::vector<float>& sigma) {
-  for (size_t i = 0; i < l.size(); ++i) {
+  const int n = static_cast<int>(l.size());
+  int i = 0;
+#if defined(__AVX512F__)
+  const __m512 lo = _mm512_set1_ps(STD_LO), hi = _mm512_set1_ps(STD_HI);
+  const __m512 llo = _mm512_set1_ps(LOG_LO), lhi = _mm512_set1_ps(LOG_HI);
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 sg = _mm512_min_ps(_mm512_max_ps(_mm512_mask_loadu_ps(hi, m, sigma.data() + i), lo), hi);
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(m, l.data() + i),
+                                                               Sleef_logf16_u10(sg)), llo), lhi);
+    _mm512_mask_storeu_ps(l.data() + i, m, v);
+    _mm512_mask_storeu_ps(e.data() + i, m, Sleef_expf16_u10(v));
+  }
+#endif
+  for (; i < n; ++i) {
     l[i] = std::min(std::max(l[i] + std::log(std::min(std::max(sigma[i], STD_LO), STD_HI)), LOG_LO), LOG_HI);
     e[i] = std::exp(l[i]);
   }
+}
+
+void inverse(const std::vector<float>& e, std::vector<double>& inv) {
+  for (size_t i = 0; i < e.size(); ++i) inv[i] = 1.0 / e[i];
 }
 
 // VarN on X [R][C] (kvarn.ops.varn): best scales into w.bc [C], w.br [R]. Imb(Y) after iteration i is computed on the
@@ -236,15 +272,17 @@ void varn(const Config& c, const float* X, Work& w) {
   std::fill(w.er.begin(), w.er.end(), 1.f);
   std::fill(w.bc.begin(), w.bc.end(), 1.f);
   std::fill(w.br.begin(), w.br.end(), 1.f);
-  scale_cols(c, X, w, true);
-  stats(c, w);
+  std::fill(w.iec.begin(), w.iec.end(), 1.0);
+  row_stds(c, X, w);
+  stats(c, X, w);
   float best = spread(w.sc) + spread(w.sr);
   for (int it = 0; it < c.iters; ++it) {
     step(w.lc, w.ec, w.sc);
-    scale_cols(c, X, w);
+    inverse(w.ec, w.iec);
+    row_stds(c, X, w);
     for (int r = 0; r < c.R; ++r) w.sr[r] = static_cast<float>(w.zsd[r] / w.er[r]);  // rows of Z / er (old)
     step(w.lr, w.er, w.sr);
-    stats(c, w);
+    stats(c, X, w);
     const float imb = spread(w.sc) + spread(w.sr);
     if (imb <= best) {  // ties take the newer scales
       best = imb;
@@ -343,7 +381,7 @@ double weighted_error(const Config& c, const Encoded& e, bool rotated, const flo
   float* t = w.tf.data();     // the stored fields as float32, once (get() per element does not vectorize)
   for (int j = 0; j < C; ++j) t[j] = c.varn ? get(c.col_dt, e.col.data(), j) : 1.f;
   // decoded rows [R][C]: for keys (rows = channels) that is rec itself, for values the rows are transposed after
-  float* dec = c.channel ? rec : w.zc.data();  // zc: VarN's scratch, free once both candidates are encoded
+  float* dec = c.channel ? rec : w.dec.data();
   for (int r = 0; r < R; ++r) {
     const float a = get(c.scale_dt, e.a.data(), r), z = get(c.zero_dt, e.z.data(), r);
     const uint8_t* q = e.q.data() + r * C;
@@ -426,8 +464,9 @@ bool fields_finite(const Config& c, const Encoded& e) {
   return probe == 0.f;
 }
 
-// one tile, channel-major x0t [D][G] float32 -> X in the quantization layout (rotated along D when asked)
-void to_rows(const Config& c, const float* x0t, bool rotate, float* X) {
+// one tile, channel-major x0t [D][G] float32 -> X in the quantization layout (rotated along D when asked; values
+// rotate in `scratch` [D][G] first)
+void to_rows(const Config& c, const float* x0t, bool rotate, float* X, float* scratch) {
   const int G = c.G, D = c.D;
   if (c.channel) {
     std::memcpy(X, x0t, G * D * 4);
@@ -435,11 +474,10 @@ void to_rows(const Config& c, const float* x0t, bool rotate, float* X) {
     return;
   }
   const float* src = x0t;
-  std::vector<float> tmp;
   if (rotate) {
-    tmp.assign(x0t, x0t + G * D);
-    fwht_rows(tmp.data(), D, G);
-    src = tmp.data();
+    std::memcpy(scratch, x0t, G * D * 4);
+    fwht_rows(scratch, D, G);
+    src = scratch;
   }
   for (int d = 0; d < D; ++d)
     for (int g = 0; g < G; ++g) X[g * D + d] = src[d * G + g];
@@ -490,29 +528,42 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
         c.varn ? static_cast<char*>(col.data_ptr()) : nullptr};
   const float* wp = c.weighted ? weight.data_ptr<float>() : nullptr;
 
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    Work w(c);
-    std::vector<float> x0(c.G * c.D);  // the tile, channel-major [D][G]
-    for (int64_t n = begin; n < end; ++n) {
-      o.finite_in[n] = load_tile(x, n, c.G, c.D, x0.data());
-      if (c.rotate != 2) {
-        to_rows(c, x0.data(), c.rotate == 1, w.x.data());
-        encode_rows(c, w.x.data(), w, w.rot);
-        emit(c, w.rot, o, n);
-        o.finite_out[n] = fields_finite(c, w.rot);
-        continue;
+  if (c.rotate != 2) {
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      Work& w = work_for(c);
+      Encoded e(c);
+      for (int64_t n = begin; n < end; ++n) {
+        o.finite_in[n] = load_tile(x, n, c.G, c.D, w.x0.data());
+        to_rows(c, w.x0.data(), c.rotate == 1, w.x.data(), w.rec.data());
+        encode_rows(c, w.x.data(), w, e);
+        emit(c, e, o, n);
+        o.finite_out[n] = fields_finite(c, e);
       }
-      to_rows(c, x0.data(), true, w.x.data());
-      encode_rows(c, w.x.data(), w, w.rot);
-      to_rows(c, x0.data(), false, w.x.data());
-      encode_rows(c, w.x.data(), w, w.plain);
-      const float* wn = wp ? wp + n * c.D : nullptr;
-      const bool keep = weighted_error(c, w.rot, true, x0.data(), wn, w) <
-                        weighted_error(c, w.plain, false, x0.data(), wn, w);  // kvarn.quant.policy.query_weighted
-      emit(c, keep ? w.rot : w.plain, o, n);
-      o.finite_out[n] = fields_finite(c, keep ? w.rot : w.plain);
-      o.rot[n] = keep ? 1 : 0;
+    });
+    return {codes, a, z, col, rot, fin, fout};
+  }
+  // rotate = auto: one work item per tile and basis (item 2 n: rotated, 2 n + 1: as it is), so that even a single
+  // tile keeps two threads busy; then the choice per tile (kvarn.quant.policy: the rotation where strictly lower)
+  std::vector<Encoded> enc(2 * N, Encoded(c));
+  std::vector<double> err(2 * N);
+  at::parallel_for(0, 2 * N, 1, [&](int64_t begin, int64_t end) {
+    Work& w = work_for(c);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / 2;
+      const bool rotated = i % 2 == 0;
+      const bool finite = load_tile(x, n, c.G, c.D, w.x0.data());
+      if (rotated) o.finite_in[n] = finite;
+      to_rows(c, w.x0.data(), rotated, w.x.data(), w.rec.data());
+      encode_rows(c, w.x.data(), w, enc[i]);
+      err[i] = weighted_error(c, enc[i], rotated, w.x0.data(), wp ? wp + n * c.D : nullptr, w);
     }
   });
+  for (int64_t n = 0; n < N; ++n) {
+    const bool keep = err[2 * n] < err[2 * n + 1];
+    const Encoded& e = enc[2 * n + (keep ? 0 : 1)];
+    emit(c, e, o, n);
+    o.finite_out[n] = fields_finite(c, e);
+    o.rot[n] = keep ? 1 : 0;
+  }
   return {codes, a, z, col, rot, fin, fout};
 }
