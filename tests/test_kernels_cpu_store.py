@@ -4,8 +4,9 @@ float64 oracles of tests/reference (through test_quant_affine's check against SP
 Tolerance, derived. The kernel repeats the reference's float32 operations in its order (Hadamard butterflies,
 x / c / r, lo, hi, delta, (B - lo) / delta, round half to even, a = delta s_r, z = lo s_r, (q a + z) t), without
 fused multiply-adds, so given the same VarN scales its B, codes and folded scales are bit-identical. What differs is
-how a std is taken: the kernel sums the exact quotient z / r in double, torch sums the float32-rounded y, and the
-two stds agree to ~2^-24 relative; expf/logf (glibc vs Sleef) differ by at most 1 ulp. Through 8 Sinkhorn steps
+how a std is taken: the kernel sums the exact quotients x / c / r in double (never forming y), torch sums their
+float32 roundings, and the two stds agree to ~2^-24 relative; expf/logf (Sleef in the kernel, MKL in torch) differ by
+at most 1 ulp. Through 8 Sinkhorn steps
 (two log/exp per step and axis) that moves a float32 scale by at most ~32 ulp ~ 4e-6 relative: SCALE_DRIFT = 1e-5.
 Hence, per stored field:
   * fp16 scales: a scale is the same float32 value times (1 +- 1e-5), rounded to fp16, so it either rounds to the
@@ -182,6 +183,22 @@ def test_auto_with_and_without_weight_and_fp8_columns(axis, policy, seed):
     if axis == "channel":
         rot = store_kernel.store_tiles(q, x, w)[0]["rotated"]
         assert 0 < int(rot.sum()) < len(x), "both choices should occur on this input"
+
+
+def test_one_tile_and_alternating_shapes(seed):
+    """rotate="auto" splits a tile into two work items (its two bases), so a lone tile still spreads over threads;
+    each thread keeps its scratch between calls and rebuilds it when the tile shape changes. A lone tile matches the
+    reference, and calls alternating between shapes and axes give what each gives on its own."""
+    g = torch.Generator().manual_seed(seed)
+    one = inputs("heavy", 1, 128, 64, g)
+    compare(make("auto", 2, "channel", 128, col=torch.float8_e4m3fn), one, torch.rand(1, 64, generator=g))
+    calls = [(make("auto", 2, "channel", 128), one), (make("kvarn", 2, "token", 64), inputs("heavy", 3, 64, 128, g)),
+             (make("kvarn", 4, "token", 128), inputs("offset", 2, 128, 96, g))]
+    alone = [store_kernel.store_tiles(q, x)[0] for q, x in calls]
+    for _ in range(2):
+        for (q, x), want in zip(calls, alone):
+            got = store_kernel.store_tiles(q, x)[0]
+            assert all(torch.equal(got[k], want[k]) for k in want), q.name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -297,3 +297,23 @@ def test_kernels_compile_for_cuda():
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("compiled for sm_90") == 4, run.stdout
+
+
+# -- the prepared GPU check ----------------------------------------------------------------------------------------
+def test_gpu_check_smoke_runs_on_the_interpreter(tmp_path):
+    """benchmarks/gpu_check.py --smoke: every section of the prepared GPU check (correctness vs float64, decode and
+    store timing) on tiny shapes through the CPU interpreter, so the script a lent GPU will run is not first run
+    there. Timings on the interpreter mean nothing; only that it ran and found no failure."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "0 failures/errors" in run.stdout, run.stdout[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["checks"] and result["timings"] and not result["errors"], result["errors"]

@@ -17,8 +17,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && __has_include(<sleef.h>)  // torch ships Sleef (its vectorized exp/log)
 #include <sleef.h>
+#define KVARN_SLEEF 1
 #endif
 
 #include <algorithm>
@@ -241,7 +242,7 @@ float spread(const std::vector<float>& s) {
 void step(std::vector<float>& l, std::vector<float>& e, const std::vector<float>& sigma) {
   const int n = static_cast<int>(l.size());
   int i = 0;
-#if defined(__AVX512F__)
+#if defined(KVARN_SLEEF)
   const __m512 lo = _mm512_set1_ps(STD_LO), hi = _mm512_set1_ps(STD_HI);
   const __m512 llo = _mm512_set1_ps(LOG_LO), lhi = _mm512_set1_ps(LOG_HI);
   for (; i < n; i += 16) {
