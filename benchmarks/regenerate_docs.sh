@@ -1,6 +1,6 @@
 #!/bin/sh
 # Regenerate docs/BENCHMARKS.md (its generated block), docs/bench.json and docs/img/bench-*.png with the full
-# `kvarn bench` run (an hour or more on a 2-core CPU; use a quiet machine: every figure is a ratio measured side
+# `kvarn bench` run (about 10 minutes on a 2-core CPU; use a quiet machine: every figure is a ratio measured side
 # by side, but other load still adds noise). The hand-written text around the generated block is kept.
 # Replaces benchmarks/decode_speed.py (now `kvarn bench e2e`) and benchmarks/policy_cost.py (`kvarn bench store`).
 set -e

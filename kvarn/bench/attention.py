@@ -46,17 +46,15 @@ SYNTHETIC_BLOCK = 2048  # distinct synthetic tokens per KV head after the sink, 
 
 
 def attention_path() -> str:
-    """Which implementation `packed_attention` runs, as far as the code says: the kernel module's own report if it
-    exposes one (`path`, `active_path` or `backend`), else "torch" (the vectorized PyTorch tile path)."""
-    try:
-        import kvarn.kernels as kernels
-    except ImportError:
-        return "torch"
-    for name in ("path", "active_path", "backend"):
-        v = getattr(kernels, name, None)
-        if v is not None:
-            return str(v() if callable(v) else v)
-    return "kvarn.kernels present (path not exposed)"
+    """Which implementation `packed_attention` runs for decode queries here: the fused C++ kernel unless
+    KVARN_KERNEL=torch or the extension cannot be built (then the PyTorch tile path, saying why)."""
+    from kvarn.kernels.cpu import build
+
+    if build.mode() == "torch":
+        return "PyTorch tile path (KVARN_KERNEL=torch)"
+    if build.load() is None:
+        return f"PyTorch tile path (the C++ kernel is unavailable: {build.error()})"
+    return "fused C++ kernel (kvarn.kernels.cpu)"
 
 
 def _dense_kv(shape: HeadShape, batch: int, context: int, sink: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

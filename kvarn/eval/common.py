@@ -85,6 +85,17 @@ def git_revision() -> str | None:
         return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; else what platform knows): timings differ between machines of one kind."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")) and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def provenance(**config: Any) -> dict[str, Any]:
     """What a results file records besides the results: config, versions, revision, machine, time."""
     import transformers
@@ -98,7 +109,7 @@ def provenance(**config: Any) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "machine": f"{platform.machine()} {platform.processor() or ''} threads={torch.get_num_threads()}".strip(),
+        "machine": f"{platform.machine()} {cpu_model()} threads={torch.get_num_threads()}",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 
