@@ -1,6 +1,12 @@
-"""Micro-benchmark of one decode step of attention over one layer (not a test; `kvarn bench attention` is the tool).
+"""Micro-benchmarks of the CPU kernels over one layer (not tests; `kvarn bench attention|store` are the tools).
 
     python -m kvarn.kernels.cpu.microbench [--contexts 1024 8192] [--threads 1 2] [--repeats 15]
+    python -m kvarn.kernels.cpu.microbench --store [--calls 300]
+
+--store: the tile-store kernel alone, one layer of the embedded model (3 KV heads: bf16 tiles [3, 128, 64] of keys,
+then of values) for kvarn-k2v2-g128 and kvarn-auto-k2v2-g128, on one thread, CPU time per call (`time.thread_time`,
+so time the other load on the machine takes is not counted), 10th percentile and median of `calls` calls after 20
+untimed ones (random tiles, seed 0; the query weight of auto uniform in [0, 1)).
 
 For each shape (the embedded model: 9 query / 3 KV heads, head_dim 64; a Qwen3-4B-like layer: 32 / 8, head_dim 128),
 context and thread count, batch 1, times side by side in one process, interleaved, median of `repeats` rounds of
@@ -84,14 +90,47 @@ def run(contexts: list[int], threads: list[int], repeats: int, preset: str) -> l
     return rows
 
 
+def run_store(calls: int, presets: tuple[str, ...] = ("kvarn-k2v2-g128", "kvarn-auto-k2v2-g128")) -> list[dict]:
+    from kvarn.kernels.cpu import store
+    from kvarn.presets import get_preset
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 128, 64, generator=gen).bfloat16()
+    w = torch.rand(3, 64, generator=gen)
+    rows = []
+    for name in presets:
+        p = get_preset(name)
+        for kind, q in (("keys", p.key(64)), ("values", p.value(64))):
+            for _ in range(20):
+                store.store_tiles(q, x, w)
+            ts = []
+            for _ in range(calls):
+                t0 = time.thread_time()
+                store.store_tiles(q, x, w)
+                ts.append(time.thread_time() - t0)
+            ts.sort()
+            rows.append({"preset": name, "kind": kind, "p10_us": 1e6 * ts[len(ts) // 10],
+                         "median_us": 1e6 * statistics.median(ts)})
+            r = rows[-1]
+            print(f"{name:22s} {kind:6s} 3 tiles: p10 {r['p10_us']:.0f} us, median {r['median_us']:.0f} us (CPU time, "
+                  "1 thread)", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--preset", default="kvarn-k2v2-g128")
+    ap.add_argument("--store", action="store_true", help="time the tile-store kernel instead (module docstring)")
+    ap.add_argument("--calls", type=int, default=300, help="--store: timed calls per case")
     a = ap.parse_args()
-    run(a.contexts, a.threads, a.repeats, a.preset)
+    if a.store:
+        run_store(a.calls)
+    else:
+        run(a.contexts, a.threads, a.repeats, a.preset)
 
 
 if __name__ == "__main__":
