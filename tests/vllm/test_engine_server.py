@@ -3,7 +3,12 @@
 One server, several checks (each engine start costs about a minute on 2 cores):
   * it answers a chat completion;
   * prompts that cross several blocks give the same greedy tokens sent one at a time as sent together (continuous
-    batching; the second round meets the first round's prefix-cache blocks);
+    batching; the second round meets the first round's prefix-cache blocks), up to a near-tie: vLLM's own bf16
+    kernels are not batch-invariant on the CPU (stock vLLM, same prompts, offline `LLM`: the chosen tokens' logprobs
+    moved by up to 0.13 nats between one batched and four single-request runs, tokens equal), so a step whose top two
+    logprobs lie within TIE = 0.3 nats (twice that, and margin) in either run may go either way. Before the first
+    divergence every token must be equal, the divergence must be such a near-tie, and most prompts must agree
+    throughout; a request reading another's blocks would diverge early, at no tie;
   * agreement with stock vLLM (`engine_common.engine("stock")`), by teacher forcing (SPEC §8's top-1 agreement):
     the server predicts every token of stock vLLM's greedy continuation from the tokens before it (prompt logprobs),
     so one early divergence does not decide the whole sequence. The kvarn backend's prefill equals its token by
@@ -17,6 +22,7 @@ Every request is bounded (max_tokens, timeout); the server is stopped whatever h
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -69,8 +75,11 @@ class Server:
         body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
         return _post(f"{self.base}/v1/completions", body)["choices"][0]
 
-    def greedy(self, prompt: list[int]) -> list[int]:
-        return self.complete(prompt, MAX_NEW, return_token_ids=True)["token_ids"]
+    def greedy(self, prompt: list[int]) -> tuple[list[int], list[float]]:
+        """Greedy tokens and, per step, the gap between the top two logprobs (nats)."""
+        c = self.complete(prompt, MAX_NEW, return_token_ids=True, logprobs=2, return_tokens_as_token_ids=True)
+        tops = [sorted(d.values(), reverse=True) for d in c["logprobs"]["top_logprobs"]]
+        return c["token_ids"], [t[0] - t[1] if len(t) > 1 else math.inf for t in tops]
 
     def top1(self, seq: list[int], last: int) -> list[int]:
         """Top-1 prediction of each of the last `last` tokens of seq from the tokens before it."""
@@ -126,19 +135,35 @@ def test_chat_completion(server) -> None:
     record("server", {"chat_completion": text})
 
 
+TIE = 0.3  # nats: a top-2 logprob gap within which batched and unbatched bf16 runs may disagree (module docstring)
+
+
 @pytest.fixture(scope="module")
-def greedy(server) -> list[list[int]]:
-    """The prompts' greedy tokens, one request at a time."""
+def sequential(server) -> list[tuple[list[int], list[float]]]:
+    """The prompts' greedy tokens and top-2 gaps, one request at a time."""
     return [server.greedy(p) for p in prompts()]
 
 
-def test_concurrent_requests_match_one_at_a_time(server, greedy) -> None:
+@pytest.fixture(scope="module")
+def greedy(sequential) -> list[list[int]]:
+    return [t for t, _ in sequential]
+
+
+def test_concurrent_requests_match_one_at_a_time(server, sequential) -> None:
     ps = prompts()
     with ThreadPoolExecutor(len(ps)) as ex:
         together = list(ex.map(server.greedy, ps))
-    assert all(len(t) == MAX_NEW for t in greedy)
-    assert together == greedy
-    record("server", {"concurrent_equals_sequential": True, "requests": len(ps)})
+    assert all(len(t) == MAX_NEW for t, _ in sequential + together)
+    diverged = {}
+    for i, ((ta, ga), (tb, gb)) in enumerate(zip(together, sequential)):
+        n = next((j for j, (a, b) in enumerate(zip(ta, tb)) if a != b), None)
+        if n is not None:
+            assert min(ga[n], gb[n]) <= TIE, (f"prompt {i}: together and one at a time diverge at step {n}, where the "
+                                              f"top-2 gaps are {ga[n]:.3f} and {gb[n]:.3f} nats (no near-tie)")
+            diverged[i] = {"step": n, "gaps": [round(ga[n], 4), round(gb[n], 4)]}
+    assert len(diverged) <= len(ps) // 2, f"most prompts should agree throughout: {diverged}"
+    record("server", {"concurrent_equals_sequential": not diverged, "requests": len(ps),
+                      "diverged_at_near_tie": diverged})
 
 
 @pytest.fixture(scope="module")
