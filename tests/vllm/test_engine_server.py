@@ -4,11 +4,11 @@ One server, several checks (each engine start costs about a minute on 2 cores):
   * it answers a chat completion;
   * prompts that cross several blocks give the same greedy tokens sent one at a time as sent together (continuous
     batching; the second round meets the first round's prefix-cache blocks), up to a near-tie: vLLM's own bf16
-    kernels are not batch-invariant on the CPU (stock vLLM, same prompts, offline `LLM`: the chosen tokens' logprobs
-    moved by up to 0.13 nats between one batched and four single-request runs, tokens equal), so a step whose top two
-    logprobs lie within TIE = 0.3 nats (twice that, and margin) in either run may go either way. Before the first
-    divergence every token must be equal, the divergence must be such a near-tie, and most prompts must agree
-    throughout; a request reading another's blocks would diverge early, at no tie;
+    kernels are not batch-invariant on the CPU (`benchmarks/vllm_batch_variance.py stock`: the chosen tokens'
+    logprobs moved by up to 0.13 nats between one batched and four single-request runs, tokens equal), so a step
+    whose top two logprobs lie within TIE = 0.3 nats (twice that, and margin) in either run may go either way.
+    Before the first divergence every token must be equal, the divergence must be such a near-tie, and most prompts
+    must agree throughout; a request reading another's blocks would diverge early, at no tie;
   * agreement with stock vLLM (`engine_common.engine("stock")`), by teacher forcing (SPEC §8's top-1 agreement):
     the server predicts every token of stock vLLM's greedy continuation from the tokens before it (prompt logprobs),
     so one early divergence does not decide the whole sequence. The kvarn backend's prefill equals its token by
