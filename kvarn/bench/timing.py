@@ -12,8 +12,9 @@ def interleaved_samples(fns: dict[str, Callable[[], object]], rounds: int = 5, w
                         tick: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each function, `rounds` samples each: round r calls every function once, after `warmup`
     untimed rounds, in an order shuffled per round (seeded: the same orders at every run), so no function always
-    follows the same one. The call after a large one pays for its caches: a 0.35 ms attention call that always came
-    right after SDPA took +0.25 ms; a fixed or rotated order keeps that on one contender. `tick` is called after each
+    follows the same one. The call after a large one pays for its caches: in a full run with a fixed order (git
+    show 96157cd:docs/bench.json, smollm2 B=1 8k) kvarn-k2v2, always right after SDPA, took 0.58 ms and kvarn-auto,
+    of the same cost, 0.35 ms; a fixed or rotated order keeps that on one contender. `tick` is called after each
     timed round (a progress bar)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
