@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from kvarn.presets import DEFAULT_PRESET, Preset, get_preset, preset_names
+from kvarn.presets import DEFAULT_PRESET, CachePolicy, Preset, get_preset, preset_names, register_preset
 from kvarn.quant.affine import AffineQuantizer
 
 # written from SPEC §3 and the ablation list, not read from kvarn.presets: (key rotation, value rotation, VarN)
@@ -120,7 +124,7 @@ def test_fp8_presets_if_registered():
 
 
 def test_fp_layers_average_in_at_16_bits():
-    p = dataclasses.replace(get_preset("kvarn"), fp_layers=(2, 1))
+    p = get_preset("kvarn").replace(fp_layers=(2, 1))
     b = get_preset("kvarn").bits_per_element(128)
     assert p.bits_per_element(128) == b  # without num_layers: the quantized region only
     assert math.isclose(p.bits_per_element(128, num_layers=10), (7 * b + 3 * 16) / 10, rel_tol=1e-12)
@@ -145,3 +149,97 @@ def test_bad_head_dim_is_a_value_error():
     p = get_preset("kvarn-k2v2-g128")
     with pytest.raises(ValueError):
         p.bits_per_element(30)  # 2-bit value codes are packed 4 per byte along D
+
+
+# --- the cache policy: frozen, versioned, strict to/from dict ------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [CachePolicy(), CachePolicy(tile=128, sink=0, value_window="sliding"),
+                                    CachePolicy(tile=1, sink=0, fp_layers=(2, 2)),
+                                    CachePolicy(tile=128, sink=1, key_pre_rope=True)])
+def test_cache_policy_round_trips_through_json(policy):
+    d = json.loads(json.dumps(policy.to_dict()))
+    assert d == {"tile": policy.tile, "sink": policy.sink, "value_window": policy.value_window,
+                 "fp_layers": list(policy.fp_layers), "key_pre_rope": policy.key_pre_rope, "version": 1}
+    back = CachePolicy.from_dict(d)
+    assert back == policy and back.fp_layers == policy.fp_layers and isinstance(back.fp_layers, tuple)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.sink = 0  # type: ignore[misc]
+
+
+def test_cache_policy_from_dict_refuses_unknown_missing_and_bad_fields():
+    d = CachePolicy().to_dict()
+    with pytest.raises(ValueError, match="unknown field 'window'"):
+        CachePolicy.from_dict({**d, "window": "block"})
+    for name in d:
+        with pytest.raises(ValueError, match=f"missing field '{name}'"):
+            CachePolicy.from_dict({k: v for k, v in d.items() if k != name})
+    with pytest.raises(ValueError, match="version 2 is not one this kvarn reads"):
+        CachePolicy.from_dict({**d, "version": 2})
+    with pytest.raises(ValueError, match="must be a mapping"):
+        CachePolicy.from_dict([("tile", 128)])  # type: ignore[arg-type]
+    for field, bad in (("tile", 0), ("sink", -1), ("tile", 1.5), ("sink", True), ("value_window", "ring"),
+                       ("fp_layers", [1]), ("fp_layers", [1, -1]), ("key_pre_rope", 1)):
+        with pytest.raises(ValueError, match=f"CachePolicy.{field}"):
+            CachePolicy.from_dict({**d, field: bad})
+
+
+def test_preset_reads_its_policy_through_and_replaces_into_it():
+    p = get_preset("kivi")
+    assert (p.tile, p.sink, p.value_window, p.fp_layers, p.key_pre_rope) == (128, 0, "sliding", (0, 0), False)
+    assert p.policy == CachePolicy(tile=128, sink=0, value_window="sliding")
+    q = p.replace(sink=4, name="kivi-sink4")
+    assert q.policy == dataclasses.replace(p.policy, sink=4) and q.name == "kivi-sink4" and q.key is p.key
+    assert get_preset("turboquant").fp_layers == (2, 2) and get_preset("kvquant").key_pre_rope
+
+
+def test_preset_to_dict_records_the_method_and_the_policy():
+    p = get_preset("kvarn-k4v2-g64")
+    d = p.to_dict(128)
+    assert json.loads(json.dumps(d)) == d  # JSON-plain
+    kq, _ = p.quantizers(128)
+    assert d["name"] == p.name and d["version"] == 1 and (d["k_bits"], d["v_bits"]) == (4, 2)
+    assert d["key"] == json.loads(json.dumps(dict(kq.describe()), default=str)) and d["value"]["bits"] == 2
+    assert CachePolicy.from_dict(d["policy"]) == p.policy
+    assert p.differences(d, 128) == []
+    tampered = {**d, "key": {**d["key"], "bits": 2}, "policy": {**d["policy"], "sink": 0}}
+    assert p.differences(tampered, 128) == [("key.bits", 2, 4), ("policy.sink", 0, 128)]
+    fp16 = get_preset("fp16").to_dict(64)
+    assert fp16["key"] is None and fp16["value"] is None and fp16["policy"] == CachePolicy().to_dict()
+
+
+# --- the registry: every name resolves, the baselines are listed, and nothing below imports it ---------------
+
+
+def test_every_name_and_alias_resolves_and_the_baselines_are_listed():
+    from kvarn.quant.baselines import PRESETS
+
+    names = preset_names()
+    for name in preset_names(include_aliases=True):
+        p = get_preset(name)
+        assert isinstance(p, Preset) and p.name in names
+    for name, spec, aliases in PRESETS:
+        assert name in names and spec()["name"] == name
+        assert all(get_preset(a).name == name for a in aliases)
+    families = {get_preset(n).family for n in names}
+    assert {"kivi", "quarot", "kvquant", "polarquant", "turboquant", "kitty"} <= families
+
+
+def test_register_preset_adds_a_user_preset(monkeypatch):
+    import kvarn
+    from kvarn.presets import registry
+
+    for table in ("_REGISTRY", "_ALIASES"):  # the other tests see the built-in registry only
+        monkeypatch.setattr(registry, table, dict(getattr(registry, table)))
+    name = "test-user-rtn"
+    register_preset(name, lambda: get_preset("rtn").replace(name=name, sink=0), aliases=("test-user",))
+    assert kvarn.get_preset("test-user").name == name and name in kvarn.preset_names()
+    assert get_preset(name).sink == 0
+
+
+def test_the_low_floors_do_not_import_the_registry():
+    code = ("import sys, kvarn.quant.baselines, kvarn.quant.cache_policy, kvarn.cache.store\n"
+            "print(sorted(m for m in sys.modules if m == 'kvarn.presets' or m.startswith('kvarn.presets.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip() == "[]", out.stdout

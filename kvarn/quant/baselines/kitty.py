@@ -25,10 +25,11 @@ import torch
 
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
-from kvarn.presets import Preset, register_preset
 from kvarn.quant.base import Packed, TileQuantizer, check_tiles
 from kvarn.quant.baselines.common import decode_dtype, dtype_name, index_dtype, work
 from kvarn.quant.baselines.kivi import RESIDUAL, kivi_value
+from kvarn.quant.baselines.spec import PresetEntry, PresetSpec
+from kvarn.quant.cache_policy import CachePolicy
 
 
 def promoted_count(head_dim: int, ratio: float) -> int:
@@ -90,17 +91,19 @@ class KittyKeyQuantizer(TileQuantizer):
 
 
 def kitty_preset(group: int = 128, sink: int = 32, ratio: float = 0.1, k_bits: int = 2, v_bits: int = 2,
-                 high_bits: int = 4, residual: int = RESIDUAL, name: str | None = None) -> Preset:
-    return Preset(
+                 high_bits: int = 4, residual: int = RESIDUAL, name: str | None = None) -> PresetSpec:
+    return PresetSpec(
         name=name or f"kitty-k{k_bits}v{v_bits}-g{group}",
         description=f"Kitty: KIVI layout, top {ratio:.0%} key channels per tile at {high_bits} bits, sink {sink}",
         key=lambda d: KittyKeyQuantizer(d, k_bits, high_bits, ratio, group),
         value=lambda d: kivi_value(v_bits, d, group),
-        tile=residual, sink=sink, value_window="sliding", family="kitty", k_bits=k_bits, v_bits=v_bits,
-        extra={"group": group, "residual": residual, "promote_ratio": ratio, "high_bits": high_bits,
-               "paper": "arXiv:2511.18643"},
+        policy=CachePolicy(tile=residual, sink=sink, value_window="sliding"), family="kitty", k_bits=k_bits,
+        v_bits=v_bits, params={"group": group, "residual": residual, "promote_ratio": ratio, "high_bits": high_bits},
+        notes={"paper": "arXiv:2511.18643"},
     )
 
 
-register_preset("kitty-k2v2-g128", kitty_preset, ("kitty",))
-register_preset("kitty-k2v2-g32", lambda: kitty_preset(group=32, sink=0), ("kitty-g32",))
+PRESETS: tuple[PresetEntry, ...] = (
+    ("kitty-k2v2-g128", kitty_preset, ("kitty",)),
+    ("kitty-k2v2-g32", lambda: kitty_preset(group=32, sink=0), ("kitty-g32",)),
+)

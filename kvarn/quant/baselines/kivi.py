@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.presets import Preset, register_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.baselines.common import TokenRTN
+from kvarn.quant.baselines.spec import PresetEntry, PresetSpec
+from kvarn.quant.cache_policy import CachePolicy
 
 RESIDUAL = 128
 
@@ -42,27 +43,28 @@ def kivi_value(bits: int, head_dim: int, group: int, scale_dtype: torch.dtype = 
 
 
 def kivi_preset(k_bits: int, v_bits: int, group: int = 32, residual: int = RESIDUAL, name: str | None = None,
-                sink: int = 0) -> Preset:
+                sink: int = 0) -> PresetSpec:
     if residual % group:
         raise ValueError(f"residual {residual} must be a multiple of the key group {group}")
-    return Preset(
+    return PresetSpec(
         name=name or f"kivi-k{k_bits}v{v_bits}-g{group}",
         description=f"KIVI: keys per channel (groups of {group} tokens), values per token (groups of {group} "
                     f"channels), fp16 residual of {residual} tokens",
         key=lambda d: kivi_key(k_bits, group),
         value=lambda d: kivi_value(v_bits, d, group),
-        tile=residual, sink=sink, value_window="sliding", family="kivi", k_bits=k_bits, v_bits=v_bits,
-        extra={"group": group, "residual": residual, "paper": "arXiv:2402.02750"},
+        policy=CachePolicy(tile=residual, sink=sink, value_window="sliding"), family="kivi", k_bits=k_bits,
+        v_bits=v_bits, params={"group": group, "residual": residual}, notes={"paper": "arXiv:2402.02750"},
     )
 
 
-def _register() -> None:
+def _entries() -> tuple[PresetEntry, ...]:
+    out = []
     for kb, vb in ((2, 2), (4, 4)):
         for g in (32, 128):
             name = f"kivi-k{kb}v{vb}-g{g}"
             short = "kivi" + ("" if (kb, vb) == (2, 2) else f"-k{kb}v{vb}") + ("" if g == 32 else f"-g{g}")
-            aliases = (short,) if short != name else ()
-            register_preset(name, lambda kb=kb, vb=vb, g=g: kivi_preset(kb, vb, g), aliases)
+            out.append((name, lambda kb=kb, vb=vb, g=g: kivi_preset(kb, vb, g), (short,) if short != name else ()))
+    return tuple(out)
 
 
-_register()
+PRESETS = _entries()

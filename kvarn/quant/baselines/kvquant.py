@@ -35,9 +35,10 @@ import torch
 
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
-from kvarn.presets import Preset, register_preset
 from kvarn.quant.base import Packed, TileQuantizer, check_tiles
 from kvarn.quant.baselines.common import decode_dtype, dtype_name, index_dtype, work
+from kvarn.quant.baselines.spec import PresetEntry, PresetSpec
+from kvarn.quant.cache_policy import CachePolicy
 
 
 def outlier_count(fraction: float, n: int) -> int:
@@ -99,18 +100,21 @@ class DenseSparseRTN(TileQuantizer):
 
 
 def kvquant_preset(k_bits: int, v_bits: int, fraction: float = 0.01, tile: int = 128, sink: int = 1,
-                   name: str | None = None) -> Preset:
+                   name: str | None = None) -> PresetSpec:
     pct = f"{fraction * 100:g}pct"
-    return Preset(
+    return PresetSpec(
         name=name or f"kvquant-k{k_bits}v{v_bits}-{pct}",
         description=f"KVQuant-{fraction * 100:g}% (calibration-free): pre-RoPE per-channel keys, per-token values, "
                     f"dense-and-sparse fp16 outliers",
         key=lambda d: DenseSparseRTN(k_bits, d, "channel", tile, fraction),
         value=lambda d: DenseSparseRTN(v_bits, d, "token", 1, fraction),
-        tile=tile, sink=sink, value_window="block", key_pre_rope=True, family="kvquant", k_bits=k_bits,
-        v_bits=v_bits, extra={"outlier_fraction": fraction, "paper": "arXiv:2401.18079",
-                              "left_out": "learned non-uniform codebook, calibrated scales/thresholds, Q-Norm"},
+        policy=CachePolicy(tile=tile, sink=sink, value_window="block", key_pre_rope=True), family="kvquant",
+        k_bits=k_bits, v_bits=v_bits, params={"outlier_fraction": fraction},
+        notes={"paper": "arXiv:2401.18079",
+               "left_out": "learned non-uniform codebook, calibrated scales/thresholds, Q-Norm"},
     )
 
 
-register_preset("kvquant-k2v2-1pct", lambda: kvquant_preset(2, 2), ("kvquant-1pct", "kvquant"))
+PRESETS: tuple[PresetEntry, ...] = (
+    ("kvquant-k2v2-1pct", lambda: kvquant_preset(2, 2), ("kvquant-1pct", "kvquant")),
+)

@@ -32,9 +32,10 @@ import torch
 
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import RANGE_GUARD, check_bits
-from kvarn.presets import Preset, register_preset
 from kvarn.quant.base import Packed, TileQuantizer, check_tiles
 from kvarn.quant.baselines.common import TokenRTN, decode_dtype, dtype_name, work
+from kvarn.quant.baselines.spec import PresetEntry, PresetSpec
+from kvarn.quant.cache_policy import CachePolicy
 
 
 def bin_quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,16 +96,16 @@ class PolarKeyQuantizer(TileQuantizer):
                 "scale_dtype": dtype_name(self.scale_dtype)}
 
 
-def polarquant_preset(k_bits: int = 4, v_bits: int = 2, tile: int = 128, name: str | None = None) -> Preset:
-    return Preset(
+def polarquant_preset(k_bits: int = 4, v_bits: int = 2, tile: int = 128, name: str | None = None) -> PresetSpec:
+    return PresetSpec(
         name=name or f"polarquant-k{k_bits}v{v_bits}",
         description=f"PolarQuant: keys as radius ({k_bits} bits) and angle ({k_bits} bits) per RoPE pair, "
                     f"per-token {v_bits}-bit values",
         key=lambda d: PolarKeyQuantizer(d, k_bits, k_bits, tile),
         value=lambda d: TokenRTN(v_bits, d, tile=1, name=f"rtn-v{v_bits}"),
-        tile=tile, sink=0, value_window="block", family="polarquant", k_bits=k_bits, v_bits=v_bits,
-        extra={"radius_bits": k_bits, "angle_bits": k_bits, "paper": "arXiv:2502.00527"},
+        policy=CachePolicy(tile=tile, sink=0, value_window="block"), family="polarquant", k_bits=k_bits,
+        v_bits=v_bits, params={"radius_bits": k_bits, "angle_bits": k_bits}, notes={"paper": "arXiv:2502.00527"},
     )
 
 
-register_preset("polarquant-k4v2", polarquant_preset, ("polarquant",))
+PRESETS: tuple[PresetEntry, ...] = (("polarquant-k4v2", polarquant_preset, ("polarquant",)),)

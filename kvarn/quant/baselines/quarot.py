@@ -19,25 +19,28 @@ Bits per element of the quantized region: b + 32/D (2.25 at D = 128, 2.5 at D = 
 
 from __future__ import annotations
 
-from kvarn.presets import Preset, register_preset
 from kvarn.quant.baselines.common import TokenRTN
+from kvarn.quant.baselines.spec import PresetEntry, PresetSpec
+from kvarn.quant.cache_policy import CachePolicy
 
 
 def quarot_preset(k_bits: int, v_bits: int, clip: float = 1.0, sink: int = 0, flush: int = 1,
-                  name: str | None = None) -> Preset:
+                  name: str | None = None) -> PresetSpec:
     suffix = ("" if clip == 1.0 else f"-clip{round(clip * 100)}") + (f"-sink{sink}" if sink else "")
-    return Preset(
+    return PresetSpec(
         name=name or f"quarot-k{k_bits}v{v_bits}{suffix}",
         description=f"QuaRot: Hadamard on K and V, per-token asymmetric RTN (clip ratio {clip})"
                     + (f", sink {sink}, blocks of {flush}" if sink else ""),
         key=lambda d: TokenRTN(k_bits, d, tile=1, rotate=True, clip=clip, name=f"quarot-k{k_bits}"),
         value=lambda d: TokenRTN(v_bits, d, tile=1, rotate=True, clip=clip, name=f"quarot-v{v_bits}"),
-        tile=flush, sink=sink, value_window="block", family="quarot", k_bits=k_bits, v_bits=v_bits,
-        extra={"clip": clip, "paper": "arXiv:2404.00456"},
+        policy=CachePolicy(tile=flush, sink=sink, value_window="block"), family="quarot", k_bits=k_bits,
+        v_bits=v_bits, params={"clip": clip}, notes={"paper": "arXiv:2404.00456"},
     )
 
 
-register_preset("quarot-k2v2", lambda: quarot_preset(2, 2), ("quarot",))
-register_preset("quarot-k2v2-clip95", lambda: quarot_preset(2, 2, 0.95), ("quarot-clip95",))
-register_preset("quarot-k4v4", lambda: quarot_preset(4, 4))
-register_preset("quarot-k2v2-sink128", lambda: quarot_preset(2, 2, sink=128, flush=128), ("quarot-sink128",))
+PRESETS: tuple[PresetEntry, ...] = (
+    ("quarot-k2v2", lambda: quarot_preset(2, 2), ("quarot",)),
+    ("quarot-k2v2-clip95", lambda: quarot_preset(2, 2, 0.95), ("quarot-clip95",)),
+    ("quarot-k4v4", lambda: quarot_preset(4, 4), ()),
+    ("quarot-k2v2-sink128", lambda: quarot_preset(2, 2, sink=128, flush=128), ("quarot-sink128",)),
+)

@@ -34,9 +34,10 @@ import torch
 
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits
-from kvarn.presets import Preset, register_preset
 from kvarn.quant.base import Packed, TileQuantizer, check_tiles
 from kvarn.quant.baselines.common import decode_dtype, dtype_name, work
+from kvarn.quant.baselines.spec import PresetEntry, PresetSpec
+from kvarn.quant.cache_policy import CachePolicy
 
 LLOYD_GRID = 1 << 20  # cells of the tabulated density; centroids land far below 1e-6 sigma of the exact ones
 LLOYD_TOL = 1e-12  # stop when no centroid moves more than this many sigmas
@@ -164,17 +165,19 @@ class TurboQuantizer(TileQuantizer):
 
 
 def turboquant_preset(k_bits: int = 3, v_bits: int = 3, qjl: bool = False, fp_layers: tuple[int, int] = (2, 2),
-                      seed: int = 0, name: str | None = None) -> Preset:
-    return Preset(
+                      seed: int = 0, name: str | None = None) -> PresetSpec:
+    return PresetSpec(
         name=name or f"turboquant{'-qjl' if qjl else ''}-k{k_bits}v{v_bits}",
         description="TurboQuant: random rotation, fp16 norm, Lloyd-Max codes"
                     + (", 1-bit QJL residual on keys" if qjl else "") + f", fp layers {fp_layers}",
         key=lambda d: TurboQuantizer(d, k_bits, qjl=qjl, seed=seed),
         value=lambda d: TurboQuantizer(d, v_bits, seed=seed),
-        tile=1, sink=0, value_window="block", fp_layers=fp_layers, family="turboquant", k_bits=k_bits,
-        v_bits=v_bits, extra={"qjl": qjl, "seed": seed, "paper": "arXiv:2504.19874"},
+        policy=CachePolicy(tile=1, sink=0, value_window="block", fp_layers=fp_layers), family="turboquant",
+        k_bits=k_bits, v_bits=v_bits, params={"qjl": qjl, "seed": seed}, notes={"paper": "arXiv:2504.19874"},
     )
 
 
-register_preset("turboquant-k3v3", turboquant_preset, ("turboquant",))
-register_preset("turboquant-qjl-k3v3", lambda: turboquant_preset(qjl=True), ("turboquant-qjl",))
+PRESETS: tuple[PresetEntry, ...] = (
+    ("turboquant-k3v3", turboquant_preset, ("turboquant",)),
+    ("turboquant-qjl-k3v3", lambda: turboquant_preset(qjl=True), ("turboquant-qjl",)),
+)

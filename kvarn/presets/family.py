@@ -1,0 +1,82 @@
+"""The KVarN family and its ablations as named presets: `{family}-k{b_K}v{b_V}-g{G}`; a bare family name means
+k2v2, G = 128.
+
+Families: `kvarn` (Hadamard + VarN), `kvarn-auto` (rotation chosen per tile), `rtn` (plain RTN, KIVI
+orientation, same tiles), `hadamard` (rotation only), `varn` (normalization only), and `fp16`.
+`PRESETS` lists them as (name, factory, aliases); the registry (`kvarn.presets.registry`) registers them beside the
+baselines' (`kvarn.quant.baselines`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvarn.presets.preset import Preset
+from kvarn.quant.affine import AffineConfig, AffineQuantizer, Rotate
+from kvarn.quant.base import TileQuantizer
+from kvarn.quant.cache_policy import CachePolicy
+
+Entry = tuple[str, Callable[[], Preset], tuple[str, ...]]  # (name, factory, aliases)
+
+FAMILIES: dict[str, tuple[Rotate, Rotate, bool, str]] = {
+    # family: (key rotation, value rotation, VarN, description)
+    "kvarn": ("hadamard", "hadamard", True, "KVarN: Hadamard rotation + VarN + RTN (the paper)"),
+    "kvarn-auto": ("auto", "auto", True, "KVarN with the rotation of each key and value tile chosen online "
+                   "(issue 6, kvarn.quant.policy), 8-bit relative column scales"),
+    "rtn": ("none", "none", False, "RTN only, KIVI orientation, per tile (ablation)"),
+    "hadamard": ("hadamard", "hadamard", False, "Hadamard only + RTN, QuaRot-like (ablation)"),
+    "varn": ("none", "none", True, "VarN only + RTN (ablation)"),
+}
+# families whose VarN column scales are stored in 8 bits relative to their tile maximum (relative_col_scales):
+# kvarn-auto at D = 64 stays under 2.5 bits per element at k2v2 (fp16 everywhere would be 2.56)
+COL_SCALE_DTYPE: dict[str, torch.dtype] = {"kvarn-auto": torch.float8_e4m3fn}
+BIT_PAIRS = ((2, 2), (4, 2), (4, 4))
+TILES = (128, 64)
+
+
+def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | None = None,
+                  scale_dtype: torch.dtype = torch.float16) -> Preset:
+    rk, rv, use_varn, desc = FAMILIES[family]
+    col = COL_SCALE_DTYPE.get(family)
+
+    def key(_: int) -> TileQuantizer:
+        return AffineQuantizer(AffineConfig(k_bits, "channel", rk, use_varn, tile=tile, scale_dtype=scale_dtype,
+                                            col_scale_dtype=col))
+
+    def value(_: int) -> TileQuantizer:
+        return AffineQuantizer(AffineConfig(v_bits, "token", rv, use_varn, tile=tile, scale_dtype=scale_dtype,
+                                            col_scale_dtype=col))
+
+    params = {"tile": tile, "scale_dtype": str(scale_dtype).removeprefix("torch.")}
+    if scale_dtype != torch.float16:
+        desc += f" ({params['scale_dtype']} scales" + (", fp16 zero points)" if scale_dtype.itemsize == 1 else ")")
+    return Preset(name=name or f"{family}-k{k_bits}v{v_bits}-g{tile}", description=desc, key=key, value=value,
+                  policy=CachePolicy(tile=tile), family=family, k_bits=k_bits, v_bits=v_bits, params=params)
+
+
+def _entries() -> tuple[Entry, ...]:
+    out: list[Entry] = []
+    for fam in FAMILIES:
+        for kb, vb in BIT_PAIRS:
+            for g in TILES:
+                name = f"{fam}-k{kb}v{vb}-g{g}"
+                # a bare family name means k2v2 at G = 128
+                aliases = (fam,) if (kb, vb, g) == (2, 2, 128) else ()
+                out.append((name, lambda f=fam, kb=kb, vb=vb, g=g: affine_preset(f, kb, vb, g), aliases))
+    # the paper's accounting (2.25 bits for k2v2 at D = G = 128): e4m3 scales, fp16 zero points.
+    # e4m3 tops out at 448: a tile whose scales exceed it is kept exact by the cache (and counted).
+    for kb, vb in BIT_PAIRS:
+        name = f"kvarn-k{kb}v{vb}-g128-fp8"
+        out.append((name, lambda kb=kb, vb=vb, n=name: affine_preset("kvarn", kb, vb, 128, n, torch.float8_e4m3fn),
+                    ()))
+    out.append(("fp16", lambda: Preset("fp16", "no quantization (the reference)", None, None, family="fp16"), ()))
+    return tuple(out)
+
+
+PRESETS = _entries()
+# The default must never be worse than plain RTN on any model family measured (issue 9): the paper's
+# kvarn-k2v2-g128 rotates every key tile, which breaks 2-bit keys on models without QK-norm (Qwen2.5) and on
+# Gemma 3; kvarn-auto chooses the rotation per tile and beat RTN on all three families (README, Presets).
+DEFAULT_PRESET = "kvarn-auto-k2v2-g128"
