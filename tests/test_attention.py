@@ -13,7 +13,6 @@ head map. The packed path is checked twice:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
@@ -26,7 +25,7 @@ import kvarn.attention.packed as packed_mod
 from kvarn.attention import KVarNPast, kvarn_attention_forward, packed_attention, reference_from_past
 from kvarn.attention.view import StoredKV
 from kvarn.cache.store import LayerStore
-from kvarn.presets import Preset, get_preset
+from kvarn.presets import CachePolicy, Preset, get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
 from kvarn.quant.base import Identity
 
@@ -115,7 +114,7 @@ def padding_mask(pads: list[int], length: int, kv_len: int) -> torch.Tensor:
 
 
 def build_past(preset: Preset | str, k: torch.Tensor, v: torch.Tensor, sink: int, splits: int = 3) -> KVarNPast:
-    st = LayerStore(preset, k.shape[-1], sink=sink)
+    st = LayerStore.from_preset(get_preset(preset), k.shape[-1], sink=sink)
     t = k.shape[2]
     cuts = sorted({0, t, *torch.randint(1, t, (splits - 1,)).tolist()})
     for a, e in itertools.pairwise(cuts):  # appended in pieces of random lengths, as prefill + turns would
@@ -190,7 +189,7 @@ def test_other_orientations(key_cfg, value_cfg, seed):
     """Keys per token and values per channel (the two folds the KVarN presets do not use), 3- and 8-bit codes."""
     gen = torch.Generator().manual_seed(seed)
     preset = Preset("test-orient", "", lambda _: AffineQuantizer(key_cfg), lambda _: AffineQuantizer(value_cfg),
-                    tile=32, sink=4)
+                    CachePolicy(tile=32, sink=4))
     t, d = 4 + 5 * 32 + 3, 64
     k, v = make_inputs("heavy", 2, 3, t, d, gen), make_inputs("gauss", 2, 3, t, d, gen)
     past = build_past(preset, k, v, sink=4)
@@ -206,7 +205,8 @@ def test_fallback_for_other_quantizers(preset, seed):
     window for KIVI/Kitty, per-token tiles of 1 for QuaRot/TurboQuant)."""
     gen = torch.Generator().manual_seed(seed)
     if preset == "identity":
-        preset = Preset("test-identity", "", lambda _: Identity(64), lambda _: Identity(64), tile=64, sink=8)
+        preset = Preset("test-identity", "", lambda _: Identity(64), lambda _: Identity(64),
+                        CachePolicy(tile=64, sink=8))
     t, d = 8 + 2 * 128 + 40, 64
     k, v = make_inputs("heavy", 1, 2, t, d, gen), make_inputs("gauss", 1, 2, t, d, gen)
     past = build_past(preset, k, v, sink=8)
@@ -397,6 +397,6 @@ def test_real_kv_decode(seed):
     gen = torch.Generator().manual_seed(seed)
     layer = int(torch.randint(0, k.shape[0], (1,), generator=gen))
     kk, vv = k[layer:layer + 1, :, :-1], v[layer:layer + 1, :, :-1]  # [1, 3, T, 64]
-    past = build_past(dataclasses.replace(get_preset("kvarn-k2v2-g64"), sink=32), kk, vv, sink=32)
+    past = build_past(get_preset("kvarn-k2v2-g64").replace(sink=32), kk, vv, sink=32)
     q = torch.randn(1, 9, 1, 64, generator=gen) * kk.std()
     check(q, k[layer:layer + 1, :, -1:], v[layer:layer + 1, :, -1:], past, padding_mask([0], 1, kk.shape[2] + 1))

@@ -472,7 +472,7 @@ def test_bits_per_element_are_stored_bytes(name, seed):
     t0, t = 300, 337
     k = torch.randn(b, h, t, d, generator=g)
     v = torch.randn(b, h, t, d, generator=g)
-    store = LayerStore(p, d)
+    store = LayerStore.from_preset(p, d)
     store.append(k[:, :, :t0], v[:, :, :t0])
     for i in range(t0, t):
         store.append(k[:, :, i:i + 1], v[:, :, i:i + 1])
@@ -503,7 +503,7 @@ def test_turboquant_fp_layers_counted():
     total = None
     for layer in range(n_layers):
         fp = layer < first or layer >= n_layers - last
-        store = LayerStore(p, d, quantize=not fp)
+        store = LayerStore.from_preset(p, d, quantize=not fp)
         x = torch.randn(1, 3, t, d).half()  # an fp16 cache: exact layers at 16 bits
         store.append(x, x)
         total = store.nbytes() if total is None else total + store.nbytes()
@@ -519,7 +519,7 @@ def test_kivi_keys_really_quantized_one_token_at_a_time(seed):
     d, t, r = 64, 128 + 40, 128
     k = torch.randn(1, 2, t, d, generator=g)
     v = torch.randn(1, 2, t, d, generator=g)
-    step = LayerStore("kivi", d)
+    step = LayerStore.from_preset(get_preset("kivi"), d)
     for i in range(t):
         step.append(k[:, :, i:i + 1], v[:, :, i:i + 1])
     assert step.keys.n_tiles == r // 32 and step.keys.tail.shape[2] == t - r
@@ -533,14 +533,14 @@ def test_kivi_keys_really_quantized_one_token_at_a_time(seed):
     assert keys_bytes.packed == 2 * (r // 32) * (d * 32 * 2 // 8 + 4 * d)
     assert keys_bytes.tail == 2 * (t - r) * d * 4
     # one token at a time gives exactly what one prefill gives (tiles are aligned the same way)
-    once = LayerStore("kivi", d)
+    once = LayerStore.from_preset(get_preset("kivi"), d)
     once.append(k, v)
     assert all(torch.equal(a, b) for a, b in zip(once.full(), (kf, vf)))
 
 
 def test_turbo_overflowing_norm_kept_exact():
     # a token whose norm overflows fp16 cannot be stored; the cache keeps that tile exact and counts it
-    store = LayerStore("turboquant", 64)
+    store = LayerStore.from_preset(get_preset("turboquant"), 64)
     x = torch.randn(1, 1, 4, 64)
     x[0, 0, 2] *= 1e5
     store.append(x, x)

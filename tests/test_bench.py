@@ -136,13 +136,14 @@ def test_attention_store_shortcut_equals_a_filled_store(batch):
     fixed-rotation preset that must hold exactly what appending the same K/V token by token holds."""
     from kvarn.bench.attention import SHAPES, SYNTHETIC_BLOCK, _dense_kv, _filled_store
     from kvarn.cache.store import LayerStore
+    from kvarn.presets import get_preset
 
     context = 128 + SYNTHETIC_BLOCK + 3 * 128 + 17  # sink, a block, the block repeated in part, a tail
     k, v = _dense_kv(SHAPES["smollm2"], batch, context, 128, seed=0)
     k, v = k[:, :, :context], v[:, :, :context]
     q = torch.randn(batch, 9, 1, 64, generator=torch.Generator().manual_seed(1))
     fast = _filled_store("kvarn-k2v2-g128", k, v, q)
-    slow = LayerStore("kvarn-k2v2-g128", 64, exact_dtype=torch.float16)
+    slow = LayerStore.from_preset(get_preset("kvarn-k2v2-g128"), 64, exact_dtype=torch.float16)
     slow.append(k, v)
     assert fast.keys.n_tiles == slow.keys.n_tiles == (context - 128) // 128
     assert fast.length == slow.length == context

@@ -22,7 +22,7 @@ def test_identity_is_exact_in_float64(seed):
     """E_M + E_D = E_T up to float64 rounding: |diff| <= 1e-12 (||x||^2 + ||x^||^2), i.e. a few ulps of the
     terms being added; a wrong formula (e.g. 1 - cos without the norms) is off by O(1)."""
     k, v = _kv(seed)
-    store = LayerStore("kvarn-k2v2-g64", 64, sink=16)
+    store = LayerStore.from_preset(get_preset("kvarn-k2v2-g64"), 64, sink=16)
     store.append(k, v)
     for x, xh in ((k, store.keys.full()), (v, store.values.full()), (k, torch.randn_like(k))):
         e = decompose_errors(x, xh)
@@ -50,7 +50,7 @@ def test_only_quantized_tiles_are_counted(seed):
     for kind, x in (("keys", k), ("values", v)):
         e = errs[kind]
         assert e["e_t"].shape == (2, n)
-        store = LayerStore("rtn-k2v2-g64", 64, sink=16)
+        store = LayerStore.from_preset(get_preset("rtn-k2v2-g64"), 64, sink=16)
         store.append(k, v)
         full = (store.keys if kind == "keys" else store.values).full()
         ref = (x.double() - full.double()).pow(2).sum(-1)[:, :, 16:16 + n].flatten(0, 1)

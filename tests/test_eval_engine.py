@@ -9,7 +9,7 @@ import torch
 from conftest import make_tiny_model
 
 from kvarn.eval.engine import RunSpec, run_blocks
-from kvarn.presets import Preset, get_preset
+from kvarn.presets import CachePolicy, Preset, get_preset
 from kvarn.quant.base import Identity
 
 T, BLOCK, TILE = 256, 32, 64  # 8 blocks; with sink 0 the first tile is quantized after block 1
@@ -28,7 +28,7 @@ def _ids(seed: int, n: int = T) -> torch.Tensor:
 def exact_preset(tile: int = TILE) -> Preset:
     """Tiles go through the cache's quantize/decode path but come back bit for bit (float32 Identity)."""
     q = lambda _d: Identity(tile, torch.float32)  # noqa: E731
-    return Preset("exact-f32", "exact tiles", key=q, value=q, tile=tile, family="test")
+    return Preset("exact-f32", "exact tiles", key=q, value=q, policy=CachePolicy(tile=tile), family="test")
 
 
 def _both(preset: Preset) -> list[RunSpec]:

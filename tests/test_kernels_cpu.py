@@ -39,7 +39,7 @@ import kvarn.kernels.cpu.build as build_mod
 from kvarn.attention import KVarNPast, packed_attention
 from kvarn.attention import fused as fused_mod
 from kvarn.kernels import PackedTiles, decode_attention
-from kvarn.presets import Preset, get_preset
+from kvarn.presets import CachePolicy, Preset, get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:kvarn. key tiles stored before any query:UserWarning")
@@ -154,7 +154,7 @@ def test_other_bit_widths_and_tile_sizes(seed):
             (AffineConfig(1, "channel", "auto", False, tile=32), AffineConfig(4, "token", "none", True, tile=32))]
     for kc, vc in cfgs:
         preset = Preset("test-bits", "", lambda _, c=kc: AffineQuantizer(c), lambda _, c=vc: AffineQuantizer(c),
-                        tile=32, sink=4)
+                        CachePolicy(tile=32, sink=4))
         t, d = 4 + 5 * 32 + 3, 96
         k, v = make_inputs("heavy", 2, 3, t, d, gen), make_inputs("gauss", 2, 3, t, d, gen)
         past = build_past(preset, k, v, sink=4)
@@ -280,7 +280,7 @@ def test_fallbacks_are_explicit(seed, monkeypatch):
     k, v = make_inputs("gauss", 1, 2, t, d, gen), make_inputs("gauss", 1, 2, t, d, gen)
     past = build_past("kvarn-k2v2-g64", k, v, sink=8)
     token_keys = Preset("test-tok", "", lambda _: AffineQuantizer(AffineConfig(2, "token", tile=64)),
-                        lambda _: AffineQuantizer(AffineConfig(2, "token", tile=64)), tile=64, sink=8)
+                        lambda _: AffineQuantizer(AffineConfig(2, "token", tile=64)), CachePolicy(tile=64, sink=8))
     pre_rope = KVarNPast(dataclasses.replace(past.keys, post=lambda x, first: x), past.values)
     cases = [(torch.randn(1, 4, 1, d, generator=gen, dtype=torch.float64), past, "float64"),
              (torch.randn(1, 4, 17, d, generator=gen), past, "prefill"),
@@ -346,7 +346,7 @@ def test_real_kv_decode(seed):
     layer = int(torch.randint(0, k.shape[0], (1,), generator=gen))
     kk, vv = k[layer:layer + 1, :, :-1], v[layer:layer + 1, :, :-1]  # [1, 3, T, 64]
     for preset in ("kvarn-k2v2-g64", "kvarn-auto-k2v2-g64"):
-        past = build_past(dataclasses.replace(get_preset(preset), sink=32), kk, vv, sink=32)
+        past = build_past(get_preset(preset).replace(sink=32), kk, vv, sink=32)
         q = torch.randn(1, 9, 1, 64, generator=gen) * kk.std()
         check_kernel(q, k[layer:layer + 1, :, -1:], v[layer:layer + 1, :, -1:], past,
                      padding_mask([0], 1, kk.shape[2] + 1))

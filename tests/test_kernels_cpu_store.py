@@ -241,7 +241,7 @@ def test_torch_mode_takes_the_reference(monkeypatch, seed):
     q = make("kvarn", 2, "channel", 128)
     x = torch.randn(3, 128, 64)
     assert torch.equal(q.encode(x)["codes"], q.encode_reference(x)["codes"])
-    st = LayerStore("kvarn-auto-k2v2-g128", 64, sink=0)
+    st = LayerStore.from_preset(get_preset("kvarn-auto-k2v2-g128"), 64, sink=0)
     st.append(x.unsqueeze(0), x.unsqueeze(0))
     assert st.keys.n_tiles == 1
 
@@ -286,7 +286,7 @@ def test_nonfinite_tiles_kept_exact_as_before(monkeypatch, preset, seed):
     stores = {}
     for mode in ("cpu", "torch"):
         monkeypatch.setenv("KVARN_KERNEL", mode)
-        st = LayerStore(preset, 64, sink=0)
+        st = LayerStore.from_preset(get_preset(preset), 64, sink=0)
         st.append(k, v)
         stores[mode] = st
     a, b = stores["cpu"], stores["torch"]
@@ -304,7 +304,8 @@ def test_nonfinite_tiles_kept_exact_as_before(monkeypatch, preset, seed):
     for mode in ("cpu", "torch"):
         monkeypatch.setenv("KVARN_KERNEL", mode)
         with pytest.raises(ValueError, match="cannot be quantized: a stored scale overflows") as e:
-            LayerStore(preset, 64, sink=0, nonfinite="error").values.append(torch.nan_to_num(v, posinf=0.0))
+            store = LayerStore.from_preset(get_preset(preset), 64, sink=0, nonfinite="error")
+            store.values.append(torch.nan_to_num(v, posinf=0.0))
         stores[mode] = str(e.value)
     assert stores["cpu"] == stores["torch"]
 

@@ -15,6 +15,7 @@ from kvarn.cache.buffer import SPARE, Buffer, capacity_for
 from kvarn.cache.memory import held_bytes, reachable_storages
 from kvarn.cache.store import LayerStore
 from kvarn.integrations.transformers import KVarNCache
+from kvarn.presets import get_preset
 
 LAYERS, KV_HEADS, HEAD_DIM, PROMPT = 4, 8, 128, 8292
 CONFIG = LlamaConfig(num_hidden_layers=LAYERS, num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS,
@@ -64,7 +65,7 @@ def test_bytes_held_after_prefill_and_decoding(preset, dtype, prompt_kv):
 
 def test_caller_tensors_are_never_kept():
     # every storage reachable from the store is its own: none is the caller's K/V (sink, tail, tiles)
-    store = LayerStore("rtn-k2v2-g128", 64, sink=16)
+    store = LayerStore.from_preset(get_preset("rtn-k2v2-g128"), 64, sink=16)
     k, v = torch.randn(2, 3, 300, 64), torch.randn(2, 3, 300, 64)
     store.append(k, v)
     store.append(k[:, :, :5], v[:, :, :5])
@@ -90,7 +91,7 @@ def test_buffer_spare_capacity_and_linear_copies():
 
 
 def test_views_stay_valid_across_appends_crop_and_reorder(seed):
-    store = LayerStore("rtn-k2v2-g128", 32, sink=8)
+    store = LayerStore.from_preset(get_preset("rtn-k2v2-g128"), 32, sink=8)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 2, 8 + 128 * 30 + 5, 32, generator=g)
     store.append(x, x)

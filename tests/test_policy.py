@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvarn.cache.store import LayerStore
+from kvarn.presets import get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
 from kvarn.quant.policy import (
     POLICIES,
@@ -201,8 +202,8 @@ def test_every_named_policy_has_the_signature():
 def test_layer_store_defers_key_tiles_until_their_queries(seed, monkeypatch):
     gen = torch.Generator().manual_seed(seed)
     b, hk, hq, d, tile, sink = 2, 2, 6, 64, 64, 8
-    store = LayerStore("kvarn-auto-k2v2-g64", d, sink=sink)
-    assert store.queries is not None and LayerStore("kvarn-k2v2-g64", d).queries is None
+    store = LayerStore.from_preset(get_preset("kvarn-auto-k2v2-g64"), d, sink=sink)
+    assert store.queries is not None and LayerStore.from_preset(get_preset("kvarn-k2v2-g64"), d).queries is None
     seen: list[torch.Tensor | None] = []
     real = store.keys.quantizer.policy
 
@@ -230,7 +231,7 @@ def test_layer_store_defers_key_tiles_until_their_queries(seed, monkeypatch):
     assert store.keys.n_tiles == 2 and len(seen) == 2
     torch.testing.assert_close(seen[1].double(), want, rtol=1e-5, atol=0)  # same statistics as before
     with pytest.raises(ValueError, match="before any key"):
-        LayerStore("kvarn-auto-k2v2-g64", d).observe_queries(q1)
+        LayerStore.from_preset(get_preset("kvarn-auto-k2v2-g64"), d).observe_queries(q1)
 
 
 def test_cache_observes_queries_on_both_read_paths(seed):

@@ -3,7 +3,6 @@ quantize-per-tile, the sliding value window, non-finite tiles and byte accountin
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -12,7 +11,7 @@ from reference.data import heavy_tailed
 from reference.store_check import tile_error_excess
 
 from kvarn.cache.store import Bytes, LayerStore, TensorStore
-from kvarn.presets import affine_preset
+from kvarn.presets import affine_preset, get_preset
 
 B, H, D = 2, 3, 16
 
@@ -22,7 +21,7 @@ def small_preset(family: str = "kvarn", tile: int = 16, sink: int = 8, flush: in
     """A preset with small tiles so the Python-loop reference stays quick; `flush` > tile hands the
     quantizers several tiles at once."""
     p = affine_preset(family, bits[0], bits[1], tile)
-    return dataclasses.replace(p, sink=sink, tile=flush or tile, value_window=window)
+    return p.replace(sink=sink, tile=flush or tile, value_window=window)
 
 
 def random_chunks(total: int, rng: random.Random) -> list[int]:
@@ -59,7 +58,7 @@ def test_region_boundaries_for_random_append_patterns(sink, flush, window, seed)
     rng = random.Random(seed)
     p = small_preset("rtn", tile=16, sink=sink, flush=flush, window=window)
     g, f = 16, p.tile
-    store = LayerStore(p, D)
+    store = LayerStore.from_preset(p, D)
     k, v = torch.randn(B, H, 150, D), torch.randn(B, H, 150, D)
 
     def check(st: LayerStore, t: int) -> None:
@@ -84,7 +83,7 @@ def test_region_boundaries_for_random_append_patterns(sink, flush, window, seed)
 
 def test_tiles_are_quantized_once(seed):
     rng = random.Random(seed)
-    store = LayerStore(small_preset("kvarn", sink=4), D)
+    store = LayerStore.from_preset(small_preset("kvarn", sink=4), D)
     k, v = torch.randn(B, H, 200, D), torch.randn(B, H, 200, D)
     fill(store, k[:, :, :90], v[:, :, :90], rng)
     old_k = {n: t.clone() for n, t in store.keys.packed.fields.items()}
@@ -102,7 +101,7 @@ def test_tiles_equal_the_quantizer_applied_per_tile(seed):
     # plumbing, bit for bit: tile j of (b, h) is the quantizer's round trip of exactly those positions
     rng = random.Random(seed)
     p = small_preset("kvarn", sink=8, flush=32, window="sliding")
-    store = LayerStore(p, D)
+    store = LayerStore.from_preset(p, D)
     k, v = torch.randn(B, H, 120, D), torch.randn(B, H, 120, D)
     fill(store, k, v, rng)
     kq, vq = p.quantizers(D)
@@ -122,7 +121,7 @@ def test_full_equals_float64_reference(family, seed):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     sink, tile = 8, 16
-    store = LayerStore(small_preset(family, tile=tile, sink=sink), D)
+    store = LayerStore.from_preset(small_preset(family, tile=tile, sink=sink), D)
     k = heavy_tailed(B, H, 75, D, generator=g).float()
     v = heavy_tailed(B, H, 75, D, generator=g).float()
     fill(store, k, v, rng)
@@ -150,7 +149,7 @@ def same_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_non_finite_tiles_kept_exact_and_counted(seed):
     rng = random.Random(seed)
     sink, tile = 8, 16
-    store = LayerStore(small_preset("kvarn", tile=tile, sink=sink), D)
+    store = LayerStore.from_preset(small_preset("kvarn", tile=tile, sink=sink), D)
     k, v = torch.randn(B, H, 90, D), torch.randn(B, H, 90, D)
     # keys: NaN in tile 0 of (0, 1), +inf in tile 2 of (1, 2); values: -inf in tile 1 of (1, 0);
     # a NaN in the sink stays there too
@@ -176,7 +175,7 @@ def test_non_finite_tiles_kept_exact_and_counted(seed):
 
 def test_scale_overflow_tile_kept_exact():
     # finite input whose fp16 scales overflow (|z| > 65504): the tile is kept exact instead of decoding to inf
-    store = LayerStore(small_preset("rtn", tile=16, sink=0), D)
+    store = LayerStore.from_preset(small_preset("rtn", tile=16, sink=0), D)
     k = torch.randn(1, 1, 32, D)
     k[0, 0, 16:] += 1e6
     store.append(k, k.clone())
@@ -187,8 +186,8 @@ def test_scale_overflow_tile_kept_exact():
 
 def test_fp8_scale_overflow_tile_kept_exact():
     # e4m3 scales saturate at 448 without an inf: the quantizer marks them NaN and the store keeps the tile
-    p = dataclasses.replace(affine_preset("kvarn", 2, 2, 16, scale_dtype=torch.float8_e4m3fn), sink=0)
-    store = LayerStore(p, D)
+    p = affine_preset("kvarn", 2, 2, 16, scale_dtype=torch.float8_e4m3fn).replace(sink=0)
+    store = LayerStore.from_preset(p, D)
     k = torch.randn(1, 2, 32, D)
     k[0, 1, 16:] *= 5000.0
     store.append(k, k.clone())
@@ -209,7 +208,7 @@ def held_bytes(s: TensorStore) -> int:
 @pytest.mark.parametrize("window", ["block", "sliding"])
 def test_nbytes_is_the_sum_of_held_tensors(window, seed):
     rng = random.Random(seed)
-    store = LayerStore(small_preset("kvarn", sink=8, flush=32, window=window), D)
+    store = LayerStore.from_preset(small_preset("kvarn", sink=8, flush=32, window=window), D)
     k, v = torch.randn(B, H, 137, D), torch.randn(B, H, 137, D)
     k[1, 1, 50, 3] = float("nan")  # one exact tile
     fill(store, k, v, rng)
@@ -228,7 +227,7 @@ def test_nbytes_is_the_sum_of_held_tensors(window, seed):
 def test_packed_bytes_match_bits_per_element(seed):
     # once only whole tiles are held, the packed region costs exactly the preset's bits per element
     p = small_preset("kvarn", tile=16, sink=0)
-    store = LayerStore(p, D)
+    store = LayerStore.from_preset(p, D)
     x = torch.randn(B, H, 64, D)
     store.append(x, x.clone())
     nb = store.nbytes()
@@ -243,16 +242,17 @@ def test_keep_decoded_and_unquantized(seed):
     rng = random.Random(seed)
     p = small_preset("kvarn", sink=8)
     k, v = torch.randn(B, H, 70, D), torch.randn(B, H, 70, D)
-    a, b, c = LayerStore(p, D), LayerStore(p, D, keep_decoded=True), LayerStore(p, D, quantize=False)
+    a, b = LayerStore.from_preset(p, D), LayerStore.from_preset(p, D, keep_decoded=True)
+    c = LayerStore.from_preset(p, D, quantize=False)
     for st in (a, b, c):
         fill(st, k, v, random.Random(rng.random()))
     assert torch.equal(a.full()[0], b.full()[0]) and torch.equal(a.full()[1], b.full()[1])
     assert torch.equal(c.full()[0], k) and torch.equal(c.full()[1], v)
-    assert LayerStore(p, D, sink=0).keys.sink_len == 0
+    assert LayerStore.from_preset(p, D, sink=0).keys.sink_len == 0
 
 
 def test_store_bad_input():
-    store = LayerStore(small_preset(), D)
+    store = LayerStore.from_preset(small_preset(), D)
     with pytest.raises(ValueError, match="no tokens"):
         store.full()
     with pytest.raises(ValueError, match="batch, heads, tokens, head_dim"):
@@ -265,10 +265,10 @@ def test_store_bad_input():
     with pytest.raises(ValueError, match="cannot append"):
         store.append(torch.randn(B, H + 1, 4, D), torch.randn(B, H + 1, 4, D))
     with pytest.raises(ValueError, match="sink must be >= 0"):
-        LayerStore(small_preset(), D, sink=-1)
+        LayerStore.from_preset(small_preset(), D, sink=-1)
     with pytest.raises(ValueError, match="not a multiple"):
         TensorStore(small_preset().quantizers(D)[0], 0, flush=24)
     with pytest.raises(ValueError, match="window"):
         TensorStore(None, 0, flush=16, window="ring")
     with pytest.raises(ValueError, match="unknown preset"):
-        LayerStore("no-such-preset", D)
+        LayerStore.from_preset(get_preset("no-such-preset"), D)

@@ -6,8 +6,6 @@ tokens lost or corrupted must be 0 for every class."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from reference.store_check import tile_error_excess
@@ -20,7 +18,7 @@ T = SINK + 4 * G + 5
 
 
 def preset(family: str, scale_dtype: torch.dtype = torch.float16):
-    return dataclasses.replace(affine_preset(family, 2, 2, G, scale_dtype=scale_dtype), sink=SINK)
+    return affine_preset(family, 2, 2, G, scale_dtype=scale_dtype).replace(sink=SINK)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -54,7 +52,7 @@ def damaged(store: TensorStore, x: torch.Tensor, full: torch.Tensor, family: str
 def run(family: str, k: torch.Tensor, v: torch.Tensor, scale_dtype=torch.float16, oracle: bool = True) -> LayerStore:
     """Append k, v (a prompt, then one token at a time) and check every position (`damaged`); the oracle's
     tolerance assumes fp16 scales (oracle=False for 8-bit scales: exact regions and tiles only)."""
-    store = LayerStore(preset(family, scale_dtype), D)
+    store = LayerStore.from_preset(preset(family, scale_dtype), D)
     store.append(k[:, :, :SINK + G + 3], v[:, :, :SINK + G + 3])
     for t in range(SINK + G + 3, T):
         store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
@@ -169,7 +167,7 @@ def test_fp8_folded_scale_overflow_kept_exact():
 # -- strictness ---------------------------------------------------------------------------------------------------
 def test_nonfinite_error_refuses_and_leaves_the_store_intact():
     k, v = base()
-    store = LayerStore(preset("kvarn"), D, nonfinite="error")
+    store = LayerStore.from_preset(preset("kvarn"), D, nonfinite="error")
     store.append(k[:, :, :SINK + G], v[:, :, :SINK + G])
     before = [t.clone() for t in store.full()]
     bad = v[:, :, SINK + G:SINK + 2 * G].clone()
@@ -183,7 +181,7 @@ def test_nonfinite_error_refuses_and_leaves_the_store_intact():
         store.append(huge, v[:, :, SINK + G:SINK + 2 * G])
     assert store.length == store.values.length == SINK + G  # neither keys nor values changed
     with pytest.raises(ValueError, match="nonfinite must be"):
-        LayerStore(preset("kvarn"), D, nonfinite="ignore")
+        LayerStore.from_preset(preset("kvarn"), D, nonfinite="ignore")
 
 
 def test_cache_threads_nonfinite_error():

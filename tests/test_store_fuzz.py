@@ -8,8 +8,6 @@ After every step the store's `full()`, the attention view and the byte accountin
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,8 +68,8 @@ ops = st.lists(st.one_of(
 @given(ops=ops, family=st.sampled_from(["kvarn", "rtn"]), sink=st.sampled_from([0, 3, 8]),
        flush=st.sampled_from([G, 2 * G]), data_seed=st.integers(0, 2**31))
 def test_store_follows_the_model(ops, family, sink, flush, data_seed):
-    preset = dataclasses.replace(affine_preset(family, 2, 2, G), sink=sink, tile=flush)
-    store = LayerStore(preset, D)
+    preset = affine_preset(family, 2, 2, G).replace(sink=sink, tile=flush)
+    store = LayerStore.from_preset(preset, D)
     kq, vq = preset.quantizers(D)
     mk, mv = Model(kq, sink, flush), Model(vq, sink, flush)
     g = torch.Generator().manual_seed(data_seed)

@@ -18,8 +18,8 @@ def filled(n: int, seed: int, window: str = "block", nan_tiles=(), family: str =
     k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
     for b, h, j in nan_tiles:
         k[b, h, SINK + j * G + 3, 1] = float("nan")
-    store = LayerStore(small_preset(family, tile=G, sink=SINK, flush=32 if window == "sliding" else None,
-                                    window=window), D)
+    store = LayerStore.from_preset(small_preset(family, tile=G, sink=SINK, flush=32 if window == "sliding" else None,
+                                                window=window), D)
     store.append(k[:, :, :50], v[:, :, :50])
     for t in range(50, n):
         store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
@@ -40,7 +40,7 @@ def test_crop_within_the_tail_is_exact_and_continues_like_never_appended(seed):
     after = store.full()
     assert torch.equal(after[0], before[0][:, :, :n - 7]) and torch.equal(after[1], before[1][:, :, :n - 7])
     # continuing gives exactly what a store that never saw the 7 tokens gives
-    ref = LayerStore(store.preset, D, sink=SINK)
+    ref = LayerStore(store.keys.quantizer, store.values.quantizer, store.policy, D, sink=SINK)
     ref.append(k[:, :, :n - 7], v[:, :, :n - 7])
     extra = torch.randn(B, H, 40, D)
     store.append(extra, extra)
@@ -88,7 +88,7 @@ def test_crop_into_the_sink_and_bad_counts(seed):
 
 
 def test_crop_unquantized_store(seed):
-    store = LayerStore(small_preset(), D, quantize=False)
+    store = LayerStore.from_preset(small_preset(), D, quantize=False)
     x = torch.randn(B, H, 30, D)
     store.append(x, x)
     store.crop(12)
@@ -148,7 +148,7 @@ def test_pads_inside_tiles_do_not_touch_the_real_tokens(family, seed):
     dirty_k[1, :, :n_pad] = 1e4
     dirty_v[1, :, :n_pad] = -1e4
     p = small_preset(family, tile=G, sink=SINK)
-    masked, clean, unmasked = LayerStore(p, D), LayerStore(p, D), LayerStore(p, D)
+    masked, clean, unmasked = (LayerStore.from_preset(p, D) for _ in range(3))
     masked.append(dirty_k[:, :, :30], dirty_v[:, :, :30], defer_keys=True, pad=pad[:, :30])  # deferred keys too
     masked.append(dirty_k[:, :, 30:], dirty_v[:, :, 30:], pad=pad[:, 30:])
     neutral_k, neutral_v = dirty_k.clone(), dirty_v.clone()
@@ -177,7 +177,7 @@ def test_pads_inside_tiles_do_not_touch_the_real_tokens(family, seed):
 
 
 def test_pad_mask_checked():
-    store = LayerStore(small_preset(), D)
+    store = LayerStore.from_preset(small_preset(), D)
     with pytest.raises(ValueError, match="pad must be a bool mask"):
         store.append(torch.randn(B, H, 4, D), torch.randn(B, H, 4, D), pad=torch.zeros(B, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="pad must be a bool mask"):

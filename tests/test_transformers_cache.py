@@ -8,7 +8,6 @@ relative per op) amplified through a 2-layer random model stays two orders of ma
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
@@ -238,7 +237,7 @@ def test_bytes_equal_tensors_held(seed):
     gen = torch.Generator().manual_seed(seed)
     model = tiny("gemma3", layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
                  sliding_window=16)
-    pre_rope = dataclasses.replace(get_preset("kvarn-k2v2-g64"), name="test-pre-rope", key_pre_rope=True)
+    pre_rope = get_preset("kvarn-k2v2-g64").replace(name="test-pre-rope", key_pre_rope=True)
     for preset in ("kvarn-k4v2-g64", "kivi-k2v2-g32", pre_rope, "fp16"):
         cache = KVarNCache(model.config, preset, sink=8)
         greedy(model, prompt(150, gen=gen), cache, n=5)
@@ -430,7 +429,7 @@ def test_sliding_and_fp_layers(seed):
     ids = prompt(90, gen=gen)
     ref = greedy(model, ids, DynamicCache(config=model.config), n=20)
     assert torch.equal(greedy(model, ids, KVarNCache(model.config, "fp16"), n=20), ref)
-    preset = dataclasses.replace(get_preset("kvarn-k2v2-g64"), name="test-fp-layers", fp_layers=(0, 1))
+    preset = get_preset("kvarn-k2v2-g64").replace(name="test-fp-layers", fp_layers=(0, 1))
     cache = KVarNCache(model.config, preset, sink=8)
     greedy(model, ids, cache, n=20)
     kinds = [type(layer).__name__ for layer in cache.layers]
@@ -490,7 +489,7 @@ def test_rope_matches_the_models_rotary_embedding(rope, seed):
 def test_rope_refuses_dynamic_types():
     model = tiny("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ValueError, match="dynamic"):
-        KVarNCache(model.config, dataclasses.replace(get_preset("kvarn"), name="t", key_pre_rope=True))
+        KVarNCache(model.config, get_preset("kvarn").replace(name="t", key_pre_rope=True))
 
 
 def test_key_pre_rope_in_model(seed):
@@ -499,7 +498,7 @@ def test_key_pre_rope_in_model(seed):
     KVQuant baseline (key_pre_rope) runs end to end."""
     gen = torch.Generator().manual_seed(seed)
     model = tiny("llama")
-    pre = dataclasses.replace(get_preset("kvarn-k2v2-g64"), name="test-pre-rope", key_pre_rope=True)
+    pre = get_preset("kvarn-k2v2-g64").replace(name="test-pre-rope", key_pre_rope=True)
     ids = prompt(150 + 3, batch=2, gen=gen)
     mask = torch.ones_like(ids)
     mask[0, :6] = 0

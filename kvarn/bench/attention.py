@@ -77,7 +77,7 @@ def _filled_store(preset: str, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor
     tokens of one block after the sink and every batch row is row 0 (`_dense_kv`): the store quantizes the tiles
     of one block of row 0 and repeats them. q feeds the key-rotation policy of rotate="auto" presets."""
     b, _, t, _ = k.shape
-    store = LayerStore(preset, k.shape[-1], exact_dtype=torch.float16)
+    store = LayerStore.from_preset(get_preset(preset), k.shape[-1], exact_dtype=torch.float16)
     g = store.keys.quantizer.tile if store.keys.quantizer is not None else t
     sink = store.keys.sink_len
     block = min(t, sink + SYNTHETIC_BLOCK // g * g)

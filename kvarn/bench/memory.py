@@ -19,7 +19,7 @@ def bytes_at(preset: str, context: int, layers: int, kv_heads: int, head_dim: in
     first, last = p.fp_layers
     for layer in range(layers):
         fp_layer = layer < first or layer >= layers - last
-        store = LayerStore(p if not fp_layer else "fp16", head_dim)
+        store = LayerStore.from_preset(p if not fp_layer else get_preset("fp16"), head_dim)
         done = 0
         while done < context:
             n = min(chunk, context - done)

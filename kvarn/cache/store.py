@@ -51,13 +51,13 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from kvarn.cache.buffer import Buffer, PackedBuffer
-from kvarn.presets import Preset, get_preset
 from kvarn.quant.base import Packed, TileQuantizer
+from kvarn.quant.cache_policy import CachePolicy
 from kvarn.quant.policy import QueryEnergy
 
 NonFinite = Literal["exact", "error"]
@@ -480,25 +480,49 @@ class TensorStore:
             self.exact_values = self.exact_values[sel.to(self.exact_values.device)] if sel.any() else None
 
 
-class LayerStore:
-    """Keys and values of one attention layer under one preset."""
+class MethodSource(Protocol):
+    """What `LayerStore.from_preset` reads of a preset (`kvarn.presets.Preset`; this floor does not import it)."""
 
-    def __init__(self, preset: Preset | str, head_dim: int, sink: int | None = None, quantize: bool = True,
-                 keep_decoded: bool = False, exact_dtype: torch.dtype | None = None,
+    @property
+    def policy(self) -> CachePolicy: ...
+
+    @property
+    def quantized(self) -> bool: ...
+
+    def quantizers(self, head_dim: int) -> tuple[TileQuantizer, TileQuantizer]: ...
+
+
+class LayerStore:
+    """Keys and values of one attention layer: each through its quantizer (None: kept exact), under `policy`.
+
+    `sink` overrides the policy's (None: the policy's). `from_preset` builds one from a resolved preset.
+    """
+
+    def __init__(self, key: TileQuantizer | None, value: TileQuantizer | None, policy: CachePolicy, head_dim: int,
+                 sink: int | None = None, keep_decoded: bool = False, exact_dtype: torch.dtype | None = None,
                  nonfinite: NonFinite = "exact") -> None:
-        self.preset = get_preset(preset)
-        s = self.preset.sink if sink is None else sink
+        if (key is None) != (value is None):
+            raise ValueError("a LayerStore quantizes both keys and values or neither")
+        self.policy = policy
+        s = policy.sink if sink is None else sink
         if s < 0:
             raise ValueError(f"sink must be >= 0, got {s}")
-        kq, vq = self.preset.quantizers(head_dim) if quantize and self.preset.quantized else (None, None)
-        p = self.preset
-        self.keys = TensorStore(kq, s, p.tile, "block", keep_decoded, exact_dtype, nonfinite)
-        self.values = TensorStore(vq, s, p.tile, p.value_window, keep_decoded, exact_dtype, nonfinite)
+        self.keys = TensorStore(key, s, policy.tile, "block", keep_decoded, exact_dtype, nonfinite)
+        self.values = TensorStore(value, s, policy.tile, policy.value_window, keep_decoded, exact_dtype, nonfinite)
         self.head_dim = head_dim
         # key rotation chosen per tile from the running query energy (rotate="auto", kvarn.quant.policy)
-        self.queries = QueryEnergy() if getattr(kq, "takes_weight", False) else None
+        self.queries = QueryEnergy() if getattr(key, "takes_weight", False) else None
         if self.queries is not None:
             self.keys.weight_source = self.queries.weight
+
+    @classmethod
+    def from_preset(cls, preset: MethodSource, head_dim: int, sink: int | None = None, quantize: bool = True,
+                    keep_decoded: bool = False, exact_dtype: torch.dtype | None = None,
+                    nonfinite: NonFinite = "exact") -> LayerStore:
+        """A store under a resolved preset (`kvarn.get_preset(name)`): its quantizers at `head_dim` (none when
+        `quantize` is False or the preset does not quantize) and its policy."""
+        kq, vq = preset.quantizers(head_dim) if quantize and preset.quantized else (None, None)
+        return cls(kq, vq, preset.policy, head_dim, sink, keep_decoded, exact_dtype, nonfinite)
 
     @property
     def length(self) -> int:

@@ -79,7 +79,7 @@ def norm_rank(norm: torch.Tensor) -> torch.Tensor:
 
 def layer_errors(preset: Preset, k: torch.Tensor, v: torch.Tensor, sink: int | None) -> dict[str, dict]:
     """Errors of the quantized tiles of one layer, per kind: tensors [B*H, n] (keys and values)."""
-    store = LayerStore(preset, k.shape[-1], sink=sink)
+    store = LayerStore.from_preset(preset, k.shape[-1], sink=sink)
     store.append(k, v)
     out = {}
     for kind, x, ts in (("keys", k, store.keys), ("values", v, store.values)):

@@ -82,6 +82,8 @@ from kvarn.attention.view import StoredKV
 from kvarn.cache.rope import Rope
 from kvarn.cache.store import Bytes, LayerStore, TensorStore
 from kvarn.presets import DEFAULT_PRESET, Preset, get_preset
+from kvarn.quant.base import TileQuantizer
+from kvarn.quant.cache_policy import CachePolicy
 
 AttentionPath = Literal["auto", "reference"]
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -163,14 +165,14 @@ class KVarNLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True  # exact within the tail; across tiles the survivors are re-quantized (module docstring)
 
-    def __init__(self, preset: Preset | str, num_kv_heads: int, head_dim: int, sink: int | None = None,
-                 quantize: bool = True, keep_decoded: bool = False, rope: Rope | None = None,
-                 packed: Callable[[], bool] = lambda: False, layer_idx: int | None = None,
-                 exact_dtype: torch.dtype | None = None, nonfinite: str = "exact") -> None:
+    def __init__(self, key: TileQuantizer | None, value: TileQuantizer | None, policy: CachePolicy,
+                 num_kv_heads: int, head_dim: int, sink: int | None = None, keep_decoded: bool = False,
+                 rope: Rope | None = None, packed: Callable[[], bool] = lambda: False, layer_idx: int | None = None,
+                 exact_dtype: torch.dtype | None = None, nonfinite: str = "exact", name: str = "custom") -> None:
         super().__init__()
-        self.preset = get_preset(preset)
+        self.policy, self.name = policy, name  # name: the preset's, for repr only
         self.num_kv_heads, self.head_dim, self.layer_idx = num_kv_heads, head_dim, layer_idx
-        self._store_args = (self.preset, head_dim, sink, quantize, keep_decoded, exact_dtype, nonfinite)
+        self._store_args = (key, value, policy, head_dim, sink, keep_decoded, exact_dtype, nonfinite)
         self.store = LayerStore(*self._store_args)
         self.rope = rope
         self.positions: torch.Tensor | None = None  # [B, T] int32, only with `rope`
@@ -180,7 +182,7 @@ class KVarNLayer(CacheLayerMixin):
 
     def __repr__(self) -> str:
         q = "quantized" if self.store.keys.quantizer is not None else "exact"
-        return f"KVarNLayer({self.preset.name}, {q}, T={self.get_seq_length()})"
+        return f"KVarNLayer({self.name}, {q}, T={self.get_seq_length()})"
 
     # -- transformers layer API -----------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -272,7 +274,7 @@ class KVarNLayer(CacheLayerMixin):
                 pad: torch.Tensor | None) -> None:
         self._undo = None
         stores = (self.store.keys, self.store.values)
-        multi = 1 < k.shape[2] <= self.preset.tile and self.store.length > 0  # a draft-verification step
+        multi = 1 < k.shape[2] <= self.policy.tile and self.store.length > 0  # a draft-verification step
         if multi:
             self.store.settle()
             before = [(x.tail_start, x.tail, x.tail_pad) for x in stores]
@@ -374,22 +376,24 @@ class KVarNCache(Cache):
         if attention not in ("auto", "reference"):
             raise ValueError(f"attention must be 'auto' or 'reference', got {attention!r}")
         self.config = config
-        self.preset = get_preset(preset)
+        self.preset = p = get_preset(preset)  # the one place the name is resolved; layers get quantizers + policy
         self.attention = attention
         text = text_config(config)
         self.num_kv_heads, self.head_dim = config_kv_heads(text), config_head_dim(text)
         n = text.num_hidden_layers
-        first, last = self.preset.fp_layers
+        first, last = p.policy.fp_layers
+        kq, vq = p.quantizers(self.head_dim) if p.quantized else (None, None)  # stateless: shared by the layers
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         layers: list = []
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
             if kind in SLIDING_TYPES:
                 layers.append(DynamicSlidingWindowLayer(**kw))
             elif kind == "full_attention":
-                quantize = self.preset.quantized and not (i < first or i >= n - last)
-                rope = Rope(text, "full_attention") if quantize and self.preset.key_pre_rope else None
-                layers.append(KVarNLayer(self.preset, self.num_kv_heads, self.head_dim, sink, quantize, keep_decoded,
-                                         rope, self._packed_reads, i, exact_dtype if quantize else None, nonfinite))
+                quantize = p.quantized and not (i < first or i >= n - last)
+                rope = Rope(text, "full_attention") if quantize and p.policy.key_pre_rope else None
+                layers.append(KVarNLayer(kq if quantize else None, vq if quantize else None, p.policy,
+                                         self.num_kv_heads, self.head_dim, sink, keep_decoded, rope,
+                                         self._packed_reads, i, exact_dtype if quantize else None, nonfinite, p.name))
             elif kind == "dummy":
                 layers.append(DummyLayer())
             else:

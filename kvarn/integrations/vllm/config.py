@@ -34,11 +34,11 @@ class Settings:
 
     @property
     def tile(self) -> int:
-        return self.preset.tile
+        return self.preset.policy.tile
 
     @property
     def sink_blocks(self) -> int:
-        return self.sink // self.preset.tile
+        return self.sink // self.tile
 
 
 def raw_settings(vllm_config: Any) -> dict | None:
@@ -64,12 +64,13 @@ def check_preset(preset: Preset) -> None:
     if "auto" in (kq.config.rotate, vq.config.rotate):
         raise ValueError(f"kvarn: preset {preset.name!r} chooses its rotation from running query statistics, which "
                          "the vLLM backend does not keep yet; use a kvarn-k*v*-g* preset")
-    if preset.value_window != "block" or any(preset.fp_layers) or preset.key_pre_rope:
+    policy = preset.policy
+    if policy.value_window != "block" or any(policy.fp_layers) or policy.key_pre_rope:
         raise ValueError(f"kvarn: preset {preset.name!r} needs a sliding value window, full-precision layers or "
                          "pre-RoPE keys, which the vLLM backend does not support")
-    if kq.tile != preset.tile or vq.tile != preset.tile:
+    if kq.tile != policy.tile or vq.tile != policy.tile:
         raise ValueError(f"kvarn: preset {preset.name!r} quantizes tiles of {kq.tile}/{vq.tile} tokens inside "
-                         f"blocks of {preset.tile}; the vLLM backend needs one tile per block")
+                         f"blocks of {policy.tile}; the vLLM backend needs one tile per block")
 
 
 def parse(raw: dict) -> Settings:
@@ -81,9 +82,10 @@ def parse(raw: dict) -> Settings:
         raise ValueError("kvarn: additional_config['kvarn'] needs a 'preset', e.g. 'kvarn-k4v2-g128'")
     preset = get_preset(raw["preset"])
     check_preset(preset)
-    sink = raw.get("sink", preset.sink)
-    if not isinstance(sink, int) or sink < 0 or sink % preset.tile:
-        raise ValueError(f"kvarn: sink must be a non-negative multiple of the tile ({preset.tile}), got {sink!r}")
+    sink = raw.get("sink", preset.policy.sink)
+    if not isinstance(sink, int) or sink < 0 or sink % preset.policy.tile:
+        raise ValueError(f"kvarn: sink must be a non-negative multiple of the tile ({preset.policy.tile}), got "
+                         f"{sink!r}")
     fp_slots = raw.get("fp_slots")
     if fp_slots is not None and (not isinstance(fp_slots, int) or fp_slots < 1):
         raise ValueError(f"kvarn: fp_slots must be a positive integer, got {fp_slots!r}")

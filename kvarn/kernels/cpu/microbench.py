@@ -30,8 +30,9 @@ def _past(hkv: int, d: int, t: int, preset: str, gen: torch.Generator):
     from kvarn.attention.packed import KVarNPast
     from kvarn.attention.view import StoredKV
     from kvarn.cache.store import LayerStore
+    from kvarn.presets import get_preset
 
-    st = LayerStore(preset, d)
+    st = LayerStore.from_preset(get_preset(preset), d)
     k, v = torch.randn(1, hkv, t, d, generator=gen), torch.randn(1, hkv, t, d, generator=gen)
     st.append(k, v)
     return KVarNPast(StoredKV.of(st.keys), StoredKV.of(st.values)), k, v
