@@ -4,6 +4,7 @@ logits bit for bit, and files that are truncated, corrupted or made for somethin
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import kvarn
 from kvarn.attention import enable
 from kvarn.integrations.serialize import CacheFileError, load_cache, save_cache
 from kvarn.integrations.transformers import KVarNCache, KVarNLayer
+from kvarn.presets import CachePolicy, get_preset
 
 PROMPT, MORE, SINK = 150, 12, 16
 
@@ -175,3 +177,61 @@ def test_other_preset_or_model_is_refused(saved, monkeypatch):
     monkeypatch.setattr(kvarn, "__version__", "9.9.9")
     with pytest.raises(CacheFileError, match=f"kvarn version mismatch: the file has '{was}', this load has '9.9.9'"):
         load_cache(saved, CONFIG)
+
+
+def test_the_header_records_the_full_method_and_policy(saved):
+    with safe_open(str(saved), framework="pt") as f:
+        header = json.loads(f.metadata()["kvarn"])
+    p = get_preset("kvarn-k2v2-g64")
+    assert header["format_version"] == 2 and header["preset"] == p.to_dict(32)
+    kq, _ = p.quantizers(32)
+    assert header["preset"]["key"]["bits"] == kq.config.bits and header["preset"]["value"]["axis"] == "token"
+    assert CachePolicy.from_dict(header["preset"]["policy"]) == p.policy
+
+
+@pytest.mark.parametrize("part,field,value,message", [
+    ("key", "bits", 4, "preset 'kvarn-k2v2-g64' key.bits mismatch: the file has 4, this load has 2"),
+    ("value", "rotate", "none", "value.rotate mismatch: the file has 'none', this load has 'hadamard'"),
+    ("policy", "sink", 0, "policy.sink mismatch: the file has 0, this load has 128"),
+    ("policy", "value_window", "sliding", "value_window mismatch: the file has 'sliding', this load has 'block'"),
+    ("params", "tile", 128, "params.tile mismatch: the file has 128, this load has 64"),
+    (None, "version", 2, "preset 'kvarn-k2v2-g64' version mismatch: the file has 2, this load has 1"),
+])
+def test_a_tampered_preset_record_is_refused_by_field(saved, tmp_path, part, field, value, message):
+    def edit(h):
+        (h["preset"] if part is None else h["preset"][part])[field] = value
+
+    with pytest.raises(CacheFileError, match=re.escape(message)):
+        load_cache(_with_header(saved, tmp_path, edit), CONFIG)
+
+
+def test_every_differing_field_is_named(saved, tmp_path):
+    def two(h):
+        h["preset"]["key"]["bits"], h["preset"]["policy"]["tile"] = 4, 32
+
+    with pytest.raises(CacheFileError, match=r"key\.bits mismatch.*\(also differ: policy\.tile\)"):
+        load_cache(_with_header(saved, tmp_path, two), CONFIG)
+
+
+def test_an_unregistered_preset_is_refused_with_its_saved_config(tmp_path):
+    custom = get_preset("rtn-k2v2-g64").replace(name="test-unregistered", sink=8)
+    cache = KVarNCache(CONFIG, custom)
+    path = tmp_path / "custom.safetensors"
+    save_cache(cache, path)
+    with pytest.raises(CacheFileError, match=r"preset 'test-unregistered', which is not registered here \(key "
+                                             r"\{'name': 'rtn2-channel'.*policy \{'tile': 64, 'sink': 8"):
+        load_cache(path, CONFIG)
+    assert load_cache(path, CONFIG, preset=custom).preset is custom  # passed explicitly, it loads
+    with pytest.raises(CacheFileError, match=r"policy\.sink mismatch: the file has 8, this load has 0"):
+        load_cache(path, CONFIG, preset=custom.replace(sink=0))
+
+
+def test_a_format_1_file_is_refused_saying_why(saved, tmp_path):
+    def old(h):  # what format 1 wrote: the name and the quantizers' descriptions, the policy fields loose
+        h["format_version"] = 1
+        h["preset"] = {"name": h["preset"]["name"], "quantizers": [h["preset"]["key"], h["preset"]["value"]],
+                       **{k: v for k, v in h["preset"]["policy"].items() if k != "version"}}
+
+    with pytest.raises(CacheFileError, match=r"format version mismatch: the file has 1, this load has 2 \(format 1 "
+                                             r"recorded the preset's name and quantizers only.*save the cache again"):
+        load_cache(_with_header(saved, tmp_path, old), CONFIG)

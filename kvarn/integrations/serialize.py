@@ -8,11 +8,14 @@ mask, the tiles kept exact (index and values), the store's counters and dtype, t
 presets), the rotation policy's running query statistics (rotate="auto"), and the tokens of sliding-window layers.
 Decoding continues exactly as it would have from the original cache.
 
-The header (safetensors metadata, key "kvarn") records the format version, kvarn's version, the preset (name and
-its quantizers' description), the model (type, layers, KV heads, head_dim, layer types) and a SHA-256 over every
-tensor's name, dtype, shape and bytes. `load_cache` refuses, naming the mismatch: a file that is not a complete
-safetensors file (truncated), a checksum that does not match (corrupted), another format or kvarn version, another
-preset, or a model config that differs in type, layers, KV heads, head_dim or layer types.
+The header (safetensors metadata, key "kvarn") records the format version, kvarn's version, the preset's full
+record (`Preset.to_dict`: name, version, each quantizer's `describe()`, the builder parameters and the cache
+policy's `to_dict()`), the model (type, layers, KV heads, head_dim, layer types) and a SHA-256 over every tensor's
+name, dtype, shape and bytes. `load_cache` rebuilds the preset (by the saved name, or the one passed) and refuses,
+naming the mismatch: a file that is not a complete safetensors file (truncated), a checksum that does not match
+(corrupted), another format or kvarn version (format 1 recorded less of the preset: save such caches again),
+another preset, any field of the method or the policy that differs (e.g. `preset 'x' key.bits`), or a model config
+that differs in type, layers, KV heads, head_dim or layer types.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from kvarn.presets import Preset, get_preset
 from kvarn.quant.base import Packed
 
 FORMAT = "kvarn-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the preset's full record (method and policy); 1 had its name and quantizers only
 
 
 class CacheFileError(ValueError):
@@ -54,14 +57,6 @@ def _dtype_name(d: torch.dtype | None) -> str | None:
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
-
-
-def _preset_id(preset: Preset, head_dim: int) -> dict[str, Any]:
-    """What must agree for tiles to be read back the same way: the quantizers' configuration and the cache policy."""
-    quant = [q.describe() for q in preset.quantizers(head_dim)] if preset.quantized else None
-    return {"name": preset.name, "quantizers": json.loads(json.dumps(quant, default=str)), "tile": preset.tile,
-            "sink": preset.sink, "value_window": preset.value_window, "fp_layers": list(preset.fp_layers),
-            "key_pre_rope": preset.key_pre_rope}
 
 
 def _model_id(config) -> dict[str, Any]:
@@ -128,7 +123,7 @@ def save_cache(cache: KVarNCache, path: str | PathLike) -> None:
         layers.append(info)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "kvarn_version": kvarn.__version__,
-              "preset": _preset_id(cache.preset, cache.head_dim), "model": _model_id(cache.config),
+              "preset": cache.preset.to_dict(cache.head_dim), "model": _model_id(cache.config),
               "attention": cache.attention, "layers": layers, "sha256": _checksum(tensors)}
     save_file(tensors, str(path), metadata={"kvarn": json.dumps(header)})
 
@@ -149,6 +144,15 @@ def _read(path: str | PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         header = json.loads(meta["kvarn"])
     except json.JSONDecodeError as e:
         raise CacheFileError(f"{path}: the kvarn header is not valid JSON (corrupted?): {e}") from e
+    # checked before anything else is read from the header: another format lays it out differently
+    if header.get("format") != FORMAT:
+        raise CacheFileError(f"{path}: format mismatch: the file has {header.get('format')!r}, this load has "
+                             f"{FORMAT!r}")
+    if header.get("format_version") != FORMAT_VERSION:
+        raise CacheFileError(f"{path}: format version mismatch: the file has {header.get('format_version')!r}, this "
+                             f"load has {FORMAT_VERSION!r}" + (" (format 1 recorded the preset's name and quantizers "
+                             "only, not its full method and policy: save the cache again with this kvarn)"
+                             if header.get("format_version") == 1 else ""))
     return header, tensors
 
 
@@ -157,10 +161,6 @@ def _check(header: dict[str, Any], tensors: dict[str, torch.Tensor], path, confi
     def refuse(what: str, saved, now) -> None:
         raise CacheFileError(f"{path}: {what} mismatch: the file has {saved!r}, this load has {now!r}")
 
-    if header.get("format") != FORMAT:
-        refuse("format", header.get("format"), FORMAT)
-    if header.get("format_version") != FORMAT_VERSION:
-        refuse("format version", header.get("format_version"), FORMAT_VERSION)
     if header.get("kvarn_version") != kvarn.__version__:
         refuse("kvarn version", header.get("kvarn_version"), kvarn.__version__)
     if _checksum(tensors) != header.get("sha256"):
@@ -171,13 +171,14 @@ def _check(header: dict[str, Any], tensors: dict[str, torch.Tensor], path, confi
                       ("kv_heads", "number of KV heads"), ("head_dim", "head_dim"), ("layer_types", "layer types")):
         if header["model"].get(key) != model[key]:
             refuse(what, header["model"].get(key), model[key])
-    want = _preset_id(preset, head_dim)
     saved = header["preset"]
-    if saved.get("name") != want["name"]:
-        refuse("preset", saved.get("name"), want["name"])
-    for key in want:
-        if saved.get(key) != want[key]:
-            refuse(f"preset {want['name']!r} {key}", saved.get(key), want[key])
+    if saved.get("name") != preset.name:
+        refuse("preset", saved.get("name"), preset.name)
+    diffs = preset.differences(saved, head_dim)  # the method (quantizers, parameters) and the policy, by field
+    if diffs:
+        (field, was, now), more = diffs[0], [d[0] for d in diffs[1:]]
+        raise CacheFileError(f"{path}: preset {preset.name!r} {field} mismatch: the file has {was!r}, this load has "
+                             f"{now!r}" + (f" (also differ: {', '.join(more)})" if more else ""))
 
 
 def _restore_store(s: TensorStore, state: dict[str, Any], prefix: str, t: dict[str, torch.Tensor],
@@ -216,8 +217,10 @@ def load_cache(path: str | PathLike, config, preset: Preset | str | None = None,
         try:
             preset = get_preset(header["preset"]["name"])
         except ValueError as e:
-            raise CacheFileError(f"{path}: the file was saved with preset {header['preset']['name']!r}, which is "
-                                 "not registered here: pass it as `preset=`") from e
+            saved = header["preset"]
+            raise CacheFileError(f"{path}: the file was saved with preset {saved['name']!r}, which is not registered "
+                                 f"here (key {saved.get('key')}, value {saved.get('value')}, policy "
+                                 f"{saved.get('policy')}): register it or pass it as `preset=`") from e
     preset = get_preset(preset)
     head_dim = config_head_dim(text_config(config))
     _check(header, tensors, path, config, preset, head_dim)
