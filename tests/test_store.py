@@ -272,3 +272,17 @@ def test_store_bad_input():
         TensorStore(None, 0, flush=16, window="ring")
     with pytest.raises(ValueError, match="unknown preset"):
         LayerStore.from_preset(get_preset("no-such-preset"), D)
+
+
+def test_store_takes_quantizers_and_a_policy():
+    """The store is built from what the preset resolved to; `from_preset` is the same store."""
+    p = small_preset("kvarn", sink=4, flush=32, window="sliding")
+    kq, vq = p.quantizers(D)
+    direct, built = LayerStore(kq, vq, p.policy, D), LayerStore.from_preset(p, D)
+    for a, b in ((direct.keys, built.keys), (direct.values, built.values)):
+        assert (a.sink_len, a.flush, a.window, a.quantizer.describe()) == (b.sink_len, b.flush, b.window,
+                                                                            b.quantizer.describe())
+    assert (direct.keys.window, direct.values.window, direct.keys.flush) == ("block", "sliding", 32)
+    assert direct.policy is p.policy and LayerStore(None, None, p.policy, D, sink=0).keys.quantizer is None
+    with pytest.raises(ValueError, match="both keys and values or neither"):
+        LayerStore(kq, None, p.policy, D)

@@ -439,6 +439,24 @@ def test_sliding_and_fp_layers(seed):
     assert cache.layers[0].keys.shape[2] == 15  # the sliding window kept by transformers' layer
 
 
+def test_the_preset_is_resolved_once_and_handed_down(monkeypatch):
+    """KVarNCache looks the name up once; its layers and stores get the quantizers and the policy, never the name."""
+    import kvarn.cache.store
+    import kvarn.integrations.transformers as tr
+
+    calls = []
+    monkeypatch.setattr(tr, "get_preset", lambda name: calls.append(name) or get_preset(name))
+    model = tiny("llama", layers=5, kv_heads=2, head_dim=64)
+    cache = KVarNCache(model.config, "turboquant")
+    assert calls == ["turboquant"] and not hasattr(kvarn.cache.store, "get_preset")
+    p = cache.preset
+    for i, layer in enumerate(cache.layers):
+        assert layer.policy is p.policy and layer.store.policy is p.policy and layer.name == p.name
+        assert (layer.store.keys.quantizer is None) == (i != 2)  # turboquant's fp_layers (2, 2)
+    assert repr(cache.layers[1]) == "KVarNLayer(turboquant-k3v3, exact, T=0)"
+    assert repr(cache.layers[2]) == "KVarNLayer(turboquant-k3v3, quantized, T=0)"
+
+
 def test_store_override(seed):
     """The overridden step attends with its fresh K/V; the cache then holds the override."""
     gen = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""Undo and redo RoPE on cached keys, for presets that quantize keys before RoPE (`Preset.key_pre_rope`, KVQuant).
+"""Undo and redo RoPE on cached keys, for presets that quantize keys before RoPE (`CachePolicy.key_pre_rope`, KVQuant).
 
 Transformers' convention (`rotate_half`), on the first r = rotary_dim channels of a key (channels past r pass through):
 

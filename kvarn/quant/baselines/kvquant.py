@@ -1,6 +1,6 @@
 """KVQuant-1% (Hooper et al., NeurIPS 2024, arXiv 2401.18079), calibration-free variant: dense-and-sparse RTN.
 
-Kept from KVQuant: keys quantized per channel *before* RoPE (`Preset.key_pre_rope`: the cache undoes RoPE before
+Kept from KVQuant: keys quantized per channel *before* RoPE (`CachePolicy.key_pre_rope`: the cache undoes RoPE before
 storing keys and redoes it after dequantizing), values per token, about 1% of the values of every vector kept
 as sparse fp16 outliers with their positions (dense-and-sparse), the first token (attention sink) in fp16.
 
