@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvarn.presets import family
+from kvarn.presets.family import PRESETS as FAMILY_PRESETS
 from kvarn.presets.preset import Preset
-from kvarn.quant import baselines
+from kvarn.quant.baselines import PRESETS as BASELINE_PRESETS
 from kvarn.quant.baselines.spec import PresetSpec
 
 _REGISTRY: dict[str, Callable[[], Preset]] = {}
@@ -41,7 +41,11 @@ def from_spec(spec: Callable[[], PresetSpec]) -> Callable[[], Preset]:
     return lambda: Preset(**spec())
 
 
-for _name, _factory, _aliases in family.PRESETS:
-    register_preset(_name, _factory, _aliases)
-for _name, _spec, _aliases in baselines.PRESETS:
-    register_preset(_name, from_spec(_spec), _aliases)
+def _register_built_in() -> None:
+    for name, factory, aliases in FAMILY_PRESETS:
+        register_preset(name, factory, aliases)
+    for name, spec, aliases in BASELINE_PRESETS:
+        register_preset(name, from_spec(spec), aliases)
+
+
+_register_built_in()
