@@ -382,7 +382,7 @@ class KVarNCache(Cache):
         self.num_kv_heads, self.head_dim = config_kv_heads(text), config_head_dim(text)
         n = text.num_hidden_layers
         first, last = p.policy.fp_layers
-        kq, vq = p.quantizers(self.head_dim) if p.quantized else (None, None)  # stateless: shared by the layers
+        kv: tuple[TileQuantizer, TileQuantizer] | None = None  # built once, for the first quantized layer (stateless)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         layers: list = []
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
@@ -391,8 +391,10 @@ class KVarNCache(Cache):
             elif kind == "full_attention":
                 quantize = p.quantized and not (i < first or i >= n - last)
                 rope = Rope(text, "full_attention") if quantize and p.policy.key_pre_rope else None
-                layers.append(KVarNLayer(kq if quantize else None, vq if quantize else None, p.policy,
-                                         self.num_kv_heads, self.head_dim, sink, keep_decoded, rope,
+                if quantize and kv is None:
+                    kv = p.quantizers(self.head_dim)
+                kq, vq = kv if quantize and kv is not None else (None, None)
+                layers.append(KVarNLayer(kq, vq, p.policy, self.num_kv_heads, self.head_dim, sink, keep_decoded, rope,
                                          self._packed_reads, i, exact_dtype if quantize else None, nonfinite, p.name))
             elif kind == "dummy":
                 layers.append(DummyLayer())
