@@ -14,115 +14,36 @@ head map. The packed path is checked twice:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
-from reference.data import heavy_tailed, real_kv
-from reference.hadamard import hadamard_reference
-from reference.packing import unpack_tensor
 
 import kvarn.attention.packed as packed_mod
-from kvarn.attention import KVarNPast, kvarn_attention_forward, packed_attention, reference_from_past
-from kvarn.attention.view import StoredKV
-from kvarn.cache.store import LayerStore
+from kvarn.attention import kvarn_attention_forward, packed_attention, reference_from_past
 from kvarn.presets import Preset, get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
 from kvarn.quant.base import Identity
+from tests.helpers import (
+    build_past,
+    dequant_f64,
+    fresh,
+    logit_l1,
+    make_inputs,
+    nonfinite_case,
+    opposite_heads,
+    oracle,
+    padding_mask,
+)
+from tests.reference.data import real_kv
+from tests.reference.packing import unpack_tensor
+from tests.tolerances import ATTN_F32, ATTN_F64_REL
 
-EPS32 = torch.finfo(torch.float32).eps
 # Stores built here without queries (and Gemma2's "eager" attention, which observes none) choose the kvarn-auto
 # key rotation by unweighted squared error, as kvarn.quant.policy documents; its warning says so on every tile.
 pytestmark = pytest.mark.filterwarnings("ignore:kvarn. key tiles stored before any query:UserWarning")
 
 
 # -- the oracle -------------------------------------------------------------------------------------------------
-def dequant_affine_f64(view: StoredKV) -> torch.Tensor:
-    """[B, H, n*G, D] float64 reconstruction of packed tiles of an AffineQuantizer (SPEC §3 step 5)."""
-    cfg = view.quantizer.config
-    f = view.packed.fields
-    codes = unpack_tensor(f["codes"], cfg.bits).double()  # [B, H, n, R, C]
-    x = codes * f["row_scale"].double().unsqueeze(-1) + f["row_zero"].double().unsqueeze(-1)
-    if "col_scale" in f:
-        x = x * f["col_scale"].double().unsqueeze(-2)
-    if cfg.axis == "channel":
-        x = x.transpose(-1, -2)  # token-major [B, H, n, G, D]
-    h = hadamard_reference(x.shape[-1])
-    if cfg.rotate == "hadamard":
-        x = x @ h
-    elif cfg.rotate == "auto":
-        x = torch.where(f["rotated"].bool()[..., None, None], x @ h, x)
-    b, hh, n, g, d = x.shape
-    if view.exact_values is not None:
-        for (bi, hi, ti), v in zip(view.exact_index.tolist(), view.exact_values):
-            x[bi, hi, ti] = v.double()
-    return x.reshape(b, hh, n * g, d)
-
-
-def dequant_f64(view: StoredKV | None) -> torch.Tensor | None:
-    if view is None:
-        return None
-    if isinstance(view.quantizer, AffineQuantizer):
-        tiles = dequant_affine_f64(view) if view.n_tiles else None
-    else:  # other quantizers: their own decode (tested in their own files), exact tiles restored
-        tiles = view.decode_tiles(0, view.n_tiles, torch.float64) if view.n_tiles else None
-    parts = [view.sink, tiles, view.tail]
-    return torch.cat([p.double() for p in parts if p is not None and p.shape[2]], dim=2)
-
-
-def oracle(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, past: KVarNPast | None,
-           ok: torch.Tensor, scaling: float, softcap: float | None = None) -> torch.Tensor:
-    """Plain attention in float64: query head h reads KV head h // (Hq/Hkv). ok: bool [B, 1, L, T]. -> [B, L, Hq, D]."""
-    kp = dequant_f64(past.keys) if past is not None else None
-    vp = dequant_f64(past.values) if past is not None else None
-    k = k_new.double() if kp is None else torch.cat([kp, k_new.double()], 2)
-    v = v_new.double() if vp is None else torch.cat([vp, v_new.double()], 2)
-    b, hq, length, d = q.shape
-    g = hq // k.shape[1]
-    out = torch.zeros(b, length, hq, d, dtype=torch.float64)
-    for h in range(hq):
-        s = torch.einsum("bld,btd->blt", q[:, h].double(), k[:, h // g]) * scaling
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~ok[:, 0], float("-inf"))
-        p = torch.softmax(s, -1)
-        p = torch.where(ok[:, 0].any(-1, keepdim=True), p, 0.0)
-        out[:, :, h] = torch.einsum("blt,btd->bld", p, v[:, h // g])
-    return out
-
-
-def logit_l1(q: torch.Tensor, k: torch.Tensor, scaling: float) -> float:
-    """max over (query, key) of sum_d |q_d k_d| * scaling (the conditioning of the logits), GQA-aware."""
-    kk = k.double().abs().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    return float((q.double().abs() @ kk.transpose(-1, -2)).max()) * scaling
-
-
-# -- inputs -----------------------------------------------------------------------------------------------------
-def make_inputs(kind: str, b: int, h: int, t: int, d: int, gen: torch.Generator) -> torch.Tensor:
-    if kind == "gauss":
-        return torch.randn(b, h, t, d, generator=gen)
-    if kind == "heavy":
-        return heavy_tailed(b, h, t, d, generator=gen).float()
-    raise ValueError(kind)
-
-
-def padding_mask(pads: list[int], length: int, kv_len: int) -> torch.Tensor:
-    """bool [B, 1, L, kv_len]: row b ignores its first pads[b] positions; query i sits at kv_len - L + i."""
-    j = torch.arange(kv_len)
-    causal = j.view(1, -1) <= (torch.arange(length) + kv_len - length).view(-1, 1)
-    rows = [causal & (j >= p).view(1, -1) for p in pads]
-    return torch.stack(rows).unsqueeze(1)
-
-
-def build_past(preset: Preset | str, k: torch.Tensor, v: torch.Tensor, sink: int, splits: int = 3) -> KVarNPast:
-    st = LayerStore(preset, k.shape[-1], sink=sink)
-    t = k.shape[2]
-    cuts = sorted({0, t, *torch.randint(1, t, (splits - 1,)).tolist()})
-    for a, e in itertools.pairwise(cuts):  # appended in pieces of random lengths, as prefill + turns would
-        st.append(k[:, :, a:e], v[:, :, a:e])
-    return KVarNPast(StoredKV.of(st.keys), StoredKV.of(st.values))
-
-
 def check(q, k_new, v_new, past, ok, scaling=None, softcap=None, mask=None):
     """Packed path (float64 and float32 queries) against the oracle; returns the float32 error."""
     d = q.shape[-1]
@@ -136,11 +57,11 @@ def check(q, k_new, v_new, past, ok, scaling=None, softcap=None, mask=None):
     out64 = packed_attention(q.double(), k_new, v_new, past, mask, scaling, softcap)
     assert out64.shape == ref.shape and out64.dtype == torch.float64
     err64 = (out64 - ref).abs().max().item()
-    assert err64 <= 1e-9 * (1 + vmax), err64
+    assert err64 <= ATTN_F64_REL * (1 + vmax), err64
     out32 = packed_attention(q.float(), k_new, v_new, past, mask, scaling, softcap)
     assert out32.dtype == torch.float32
     err32 = (out32.double() - ref).abs().max().item()
-    bound = 64 * EPS32 * (1 + logit_l1(q, kall, scaling)) * (1 + vmax)
+    bound = ATTN_F32 * (1 + logit_l1(q, kall, scaling)) * (1 + vmax)
     assert err32 <= bound, (err32, bound)
     return err32
 
@@ -242,37 +163,6 @@ def test_fully_masked_rows_give_zero_like_sdpa(seed):
     torch.testing.assert_close(out, sdpa, atol=1e-6, rtol=1e-5)
 
 
-def fresh(gen: torch.Generator, b: int, hq: int, hkv: int, length: int, d: int):
-    """Gaussian queries [B, Hq, L, D] and fresh keys and values [B, Hkv, L, D] (drawn in that order)."""
-    return (torch.randn(b, hq, length, d, generator=gen), torch.randn(b, hkv, length, d, generator=gen),
-            torch.randn(b, hkv, length, d, generator=gen))
-
-
-def opposite_heads(gen: torch.Generator, t: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two [1, 1, t, D] heads that favour opposite rotation choices under kvarn-auto: 3 outlier channels (x30; the
-    plain basis keeps them in their own per-channel ranges) and heavy tails (Student-t, df 2; the rotation spreads)."""
-    outliers = torch.randn(1, 1, t, d, generator=gen) * torch.where(torch.arange(d) < 3, 30.0, 1.0)
-    return outliers, heavy_tailed(1, 1, t, d, generator=gen, df=2).float()
-
-
-def nonfinite_case(seed: int):
-    """A NaN key tile (row 1, head 0; its value tile packed) and an Inf value tile (row 0, head 1; its key tile
-    packed), sink 0, tiles of 64: (q, fresh k, fresh v, past, mask, float64 oracle, [B, Hq] heads that read them)."""
-    gen = torch.Generator().manual_seed(seed)
-    t, d = 3 * 64 + 10, 64
-    k, v = torch.randn(2, 2, t, d, generator=gen), torch.randn(2, 2, t, d, generator=gen)
-    k[1, 0, 70] = float("nan")  # tile 1 of row 1, head 0 (sink 0)
-    v[0, 1, 5] = float("inf")  # tile 0 of row 0, head 1
-    past = build_past("kvarn-k2v2-g64", k, v, sink=0)
-    assert past.keys.exact_index.tolist() == [[1, 0, 1]] and past.values.exact_index.tolist() == [[0, 1, 0]]
-    q, kn, vn = fresh(gen, 2, 4, 2, 1, d)
-    ok = padding_mask([0, 0], 1, t + 1)
-    bad = torch.zeros(2, 4, dtype=torch.bool)
-    bad[1, 0:2] = True  # query heads of KV head 0, row 1
-    bad[0, 2:4] = True
-    return q, kn, vn, past, ok, oracle(q, kn, vn, past, ok, d ** -0.5), bad
-
-
 def test_exact_tiles_non_finite(seed):
     """A NaN in one stored tile of one (row, head): that tile is kept exact; only that head's outputs become
     NaN (as full-precision attention would), every other head still matches the oracle."""
@@ -310,7 +200,7 @@ def test_reference_module_matches_oracle(seed):
     ref = oracle(q, kn, vn, past, ok, d ** -0.5)
     got = reference_from_past(q, kn, vn, past, ok)
     vmax = float(dequant_f64(past.values).abs().max())
-    assert (got - ref).abs().max() <= 64 * EPS32 * (1 + vmax) * (1 + logit_l1(q, dequant_f64(past.keys), d ** -0.5))
+    assert (got - ref).abs().max() <= ATTN_F32 * (1 + vmax) * (1 + logit_l1(q, dequant_f64(past.keys), d ** -0.5))
 
 
 def test_attention_function_without_past_is_sdpa(seed):

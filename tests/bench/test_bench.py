@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_model, tiny_model_folder
 
 from kvarn.cli import main
 from kvarn.eval.schema import load_schema, validate
+from tests.helpers import make_tiny_model, tiny_model_folder
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "tree", "and", "or", "but", "red", "blue"]
 

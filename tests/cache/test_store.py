@@ -8,21 +8,12 @@ import random
 
 import pytest
 import torch
-from reference.data import heavy_tailed
-from reference.store_check import tile_error_excess
 
 from kvarn.cache.store import Bytes, LayerStore, TensorStore
 from kvarn.presets import affine_preset
-
-B, H, D = 2, 3, 16
-
-
-def small_preset(family: str = "kvarn", tile: int = 16, sink: int = 8, flush: int | None = None,
-                 window: str = "block", bits: tuple[int, int] = (2, 2)):
-    """A preset with small tiles so the Python-loop reference stays quick; `flush` > tile hands the
-    quantizers several tiles at once."""
-    p = affine_preset(family, bits[0], bits[1], tile)
-    return dataclasses.replace(p, sink=sink, tile=flush or tile, value_window=window)
+from tests.helpers import B, D, H, small_preset
+from tests.reference.data import heavy_tailed
+from tests.reference.store_check import tile_error_excess
 
 
 def random_chunks(total: int, rng: random.Random) -> list[int]:

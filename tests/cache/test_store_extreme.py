@@ -10,10 +10,10 @@ import dataclasses
 
 import pytest
 import torch
-from reference.store_check import tile_error_excess
 
 from kvarn.cache.store import LayerStore, TensorStore
 from kvarn.presets import affine_preset
+from tests.reference.store_check import tile_error_excess
 
 B, H, D, G, SINK = 1, 2, 16, 16, 4
 T = SINK + 4 * G + 5

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_store import B, D, H, small_preset
 
 from kvarn.attention.view import StoredKV
 from kvarn.cache.store import LayerStore, neutral_pads
+from tests.helpers import B, D, H, small_preset
 
 SINK, G = 8, 16
 

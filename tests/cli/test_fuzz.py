@@ -5,12 +5,12 @@ Hypothesis is derandomized (tests/conftest.py), so CI cannot fail by chance."""
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_model_folder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvarn.cli import main
 from kvarn.presets import preset_names
+from tests.helpers import tiny_model_folder
 
 FUZZ = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_model_folder
 
 from kvarn.cli import main
 from kvarn.eval import analyses
 from kvarn.eval.schema import load_schema, validate
+from tests.helpers import tiny_model_folder
 
 SMALL = "rtn-k2v2-g64,kvarn-k2v2-g64"
 

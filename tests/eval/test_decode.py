@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model_folder
 
 from kvarn.cli import main
 from kvarn.eval.schema import load_schema, validate
+from tests.helpers import tiny_model_folder
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_tiny_model
 
 from kvarn.eval.engine import RunSpec, run_blocks
 from kvarn.presets import Preset, get_preset
 from kvarn.quant.base import Identity
+from tests.helpers import make_tiny_model
 
 T, BLOCK, TILE = 256, 32, 64  # 8 blocks; with sink 0 the first tile is quantized after block 1
 

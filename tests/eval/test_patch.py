@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
 
 from kvarn.eval.engine import RunSpec, run_blocks
 from kvarn.eval.outliers import fixed_share
 from kvarn.eval.patch import PatchedQuantizer, patched_preset
 from kvarn.presets import get_preset
+from tests.helpers import make_tiny_model
 
 G, D = 64, 64
 

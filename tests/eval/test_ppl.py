@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
 
 from kvarn.eval.ppl import evaluate, windows
 from kvarn.presets import get_preset
+from tests.helpers import make_tiny_model
 
 
 @pytest.mark.parametrize("n,window,stride", [(100, 30, 30), (100, 30, 10), (64, 64, 64), (65, 64, 16), (7, 10, 5)])

@@ -16,10 +16,9 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_transformers_cache import close, forward_steps, packed_calls
 
 from kvarn.integrations.transformers import KVarNCache, KVarNLayer
+from tests.helpers import close, forward_steps, make_tiny_model, packed_calls
 
 pytestmark = [pytest.mark.model,
               pytest.mark.filterwarnings("ignore:kvarn. key tiles stored before any query:UserWarning")]

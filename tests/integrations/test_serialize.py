@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from safetensors import safe_open
 from transformers import LlamaConfig
 
@@ -15,6 +14,7 @@ import kvarn
 from kvarn.attention import enable
 from kvarn.integrations.serialize import CacheFileError, load_cache, save_cache
 from kvarn.integrations.transformers import KVarNCache, KVarNLayer
+from tests.helpers import make_tiny_model
 
 PROMPT, MORE, SINK = 150, 12, 16
 

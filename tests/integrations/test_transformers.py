@@ -13,16 +13,15 @@ import warnings
 
 import pytest
 import torch
-from conftest import TINY_FAMILIES, make_tiny_model
 from transformers import AutoConfig, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import kvarn.attention
-import kvarn.attention.packed as packed_mod
 from kvarn.cache.rope import Rope
 from kvarn.cache.store import Bytes
 from kvarn.integrations.transformers import KVarNCache, KVarNLayer
 from kvarn.presets import get_preset
+from tests.helpers import TINY_FAMILIES, close, forward_steps, make_tiny_model, packed_calls
 
 FAMILIES = list(TINY_FAMILIES)
 # Stores built here without queries (and Gemma2's "eager" attention, which observes none) choose the kvarn-auto
@@ -47,10 +46,6 @@ def greedy(model, ids, cache, n=12, mask=None, **kw):
                               do_sample=False, pad_token_id=0, **{"cache": cache, **kw})
 
 
-def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-4) -> bool:
-    return bool((a - b).abs().max() <= rel * (1 + b.abs().max()))
-
-
 class attn:
     """Context: run `model` with attn_implementation `impl`, restore afterwards."""
 
@@ -63,34 +58,6 @@ class attn:
 
     def __exit__(self, *exc) -> None:
         kvarn.attention.enable(self.model, self.before)
-
-
-def forward_steps(model, ids, cache, chunks, mask=None, positions=None):
-    """Teacher-forced forwards over consecutive chunks of ids (sizes `chunks`); returns the logits of each chunk."""
-    out, at = [], 0
-    with torch.no_grad():
-        for n in chunks:
-            kw = {} if mask is None else {"attention_mask": mask[:, :at + n]}
-            if positions is not None:
-                kw["position_ids"] = positions[:, at:at + n]
-            out.append(model(ids[:, at:at + n], cache=cache, **kw).logits)
-            at += n
-    return torch.cat(out, dim=1)
-
-
-def packed_calls(fn):
-    """(fn(), number of packed_attention calls over a stored past it made)."""
-    real, calls = packed_mod.packed_attention, []
-
-    def counted(query, key, value, past, *args, **kwargs):
-        calls.append(past is not None)
-        return real(query, key, value, past, *args, **kwargs)
-
-    packed_mod.packed_attention = counted
-    try:
-        return fn(), sum(calls)
-    finally:
-        packed_mod.packed_attention = real
 
 
 def walk_bytes(cache: KVarNCache) -> int:

@@ -1,6 +1,6 @@
 """The fused CPU decode kernel (kvarn.kernels.cpu, the fast path of packed_attention) against the float64 oracle.
 
-The oracle is test_attention's: it dequantizes the stored fields itself (bit-by-bit unpacking, (q a + z) t in float64,
+The oracle is tests/helpers.py's: it dequantizes the stored fields itself (bit-by-bit unpacking, (q a + z) t in float64,
 Sylvester Hadamard) and runs plain softmax attention with an explicit GQA head map. KVARN_KERNEL=cpu makes every
 step here take the kernel (a step it cannot serve raises instead of falling back).
 
@@ -21,9 +21,14 @@ import warnings
 
 import pytest
 import torch
-from reference.data import heavy_tailed, real_kv
-from test_attention import (
-    EPS32,
+
+import kvarn.kernels.cpu.build as build_mod
+from kvarn.attention import KVarNPast, packed_attention
+from kvarn.attention import fused as fused_mod
+from kvarn.kernels import PackedTiles, decode_attention
+from kvarn.presets import Preset, get_preset
+from kvarn.quant.affine import AffineConfig, AffineQuantizer
+from tests.helpers import (
     build_past,
     dequant_f64,
     fresh,
@@ -34,13 +39,8 @@ from test_attention import (
     oracle,
     padding_mask,
 )
-
-import kvarn.kernels.cpu.build as build_mod
-from kvarn.attention import KVarNPast, packed_attention
-from kvarn.attention import fused as fused_mod
-from kvarn.kernels import PackedTiles, decode_attention
-from kvarn.presets import Preset, get_preset
-from kvarn.quant.affine import AffineConfig, AffineQuantizer
+from tests.reference.data import heavy_tailed, real_kv
+from tests.tolerances import ATTN_F32
 
 pytestmark = pytest.mark.filterwarnings("ignore:kvarn. key tiles stored before any query:UserWarning")
 
@@ -61,7 +61,7 @@ def check_kernel(q, kn, vn, past, ok, scaling=None, softcap=None, mask=None) -> 
     assert out.dtype == q.dtype and out.shape == ref.shape
     kall = torch.cat([dequant_f64(past.keys), kn.double()], 2)
     vmax = max(float(dequant_f64(past.values).abs().max()), float(vn.abs().max()))
-    bound = 64 * EPS32 * (1 + logit_l1(q, kall, scaling)) * (1 + vmax)
+    bound = ATTN_F32 * (1 + logit_l1(q, kall, scaling)) * (1 + vmax)
     if q.dtype != torch.float32:
         bound += torch.finfo(q.dtype).eps / 2 * float(ref.abs().max())
     err = (out.double() - ref).abs().max().item()
@@ -193,7 +193,7 @@ def test_exact_tiles_non_finite(seed):
     good = ~bad.unsqueeze(1).unsqueeze(-1).expand_as(out)
     finite = torch.nan_to_num(dequant_f64(past.values), nan=0.0, posinf=0.0, neginf=0.0)
     kall = torch.nan_to_num(torch.cat([dequant_f64(past.keys), kn.double()], 2), nan=0.0)
-    bound = 64 * EPS32 * (1 + logit_l1(q, kall, d ** -0.5)) * (1 + float(finite.abs().max()))
+    bound = ATTN_F32 * (1 + logit_l1(q, kall, d ** -0.5)) * (1 + float(finite.abs().max()))
     assert (out.double() - ref)[good].abs().max() <= bound
 
 
@@ -250,7 +250,7 @@ def test_block_table_paged_pool(seed):
         ref = oracle(q[row:row + 1], torch.cat([kd[row:row + 1, :, :m], fresh[0][row:row + 1].double()], 2),
                      torch.cat([vd[row:row + 1, :, :m], fresh[1][row:row + 1].double()], 2), None,
                      torch.ones(1, 1, 1, m + 1, dtype=torch.bool), d ** -0.5)
-        bound = 64 * EPS32 * (1 + logit_l1(q[row:row + 1], kd[row:row + 1, :, :m], d ** -0.5)) * \
+        bound = ATTN_F32 * (1 + logit_l1(q[row:row + 1], kd[row:row + 1, :, :m], d ** -0.5)) * \
             (1 + float(vd.abs().max()))
         assert (pooled[row:row + 1].transpose(1, 2).double() - ref).abs().max() <= bound
 

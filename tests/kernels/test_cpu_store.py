@@ -1,5 +1,5 @@
 """The fused CPU tile store (kvarn.kernels.cpu.store) against the PyTorch reference (`encode_reference`) and the
-float64 oracles of tests/reference (through test_quant_affine's check against SPEC §3).
+float64 oracles of tests/reference (through tests/helpers.py's check against SPEC §3).
 
 Tolerance, derived. The kernel repeats the reference's float32 operations in its order (Hadamard butterflies,
 x / c / r, lo, hi, delta, (B - lo) / delta, round half to even, a = delta s_r, z = lo s_r, (q a + z) t), without
@@ -35,8 +35,6 @@ import math
 
 import pytest
 import torch
-from reference.data import heavy_tailed, real_tiles
-from test_quant_affine import check_against_reference
 
 import kvarn.kernels.cpu.build as build_mod
 from kvarn.cache.store import LayerStore
@@ -46,8 +44,10 @@ from kvarn.presets import get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
 from kvarn.quant.base import Packed
 from kvarn.quant.policy import weighted_error
+from tests.helpers import check_against_reference
+from tests.reference.data import heavy_tailed, real_tiles
+from tests.tolerances import SCALE_DRIFT
 
-SCALE_DRIFT = 1e-5
 FAMILIES = {"rtn": ("none", False), "hadamard": ("hadamard", False), "varn": ("none", True),
             "kvarn": ("hadamard", True), "auto": ("auto", True)}
 
@@ -212,7 +212,7 @@ def test_half_inputs(dtype, seed):
 @pytest.mark.parametrize("family", ["rtn", "hadamard", "varn", "kvarn"])
 @pytest.mark.parametrize("d,tile", [(64, 128), (96, 128), (128, 64), (256, 64)])
 def test_kernel_against_float64_oracle(family, d, tile, seed):
-    """test_quant_affine's check against SPEC §3 in float64 (codes up to .5 ties, stored scales, reconstruction),
+    """tests/helpers.py's check against SPEC §3 in float64 (codes up to .5 ties, stored scales, reconstruction),
     here with every encode through the kernel (KVARN_KERNEL=cpu)."""
     g = torch.Generator().manual_seed(seed)
     for axis in ("channel", "token"):

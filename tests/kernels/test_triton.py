@@ -1,6 +1,6 @@
 """Triton kernels (kvarn.kernels.triton) on the CPU through TRITON_INTERPRET=1, small shapes.
 
-Decode attention is checked against the float64 oracle of tests/test_attention.py (independent dequantization with
+Decode attention is checked against the float64 oracle of tests/helpers.py (independent dequantization with
 the bit-stream unpacking and the reference Hadamard, plain per-head softmax), on pool-layout fields read through a
 permuted block table, batch rows of different lengths, sink/tail/fresh exact regions, several splits (one of them
 empty); and through the transformers-cache adapter against the same oracle. The store kernel is checked against
@@ -20,9 +20,6 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install 'kvarn[triton]'): Triton kernel tests "
                     "skipped")
 
-from reference.data import heavy_tailed
-from test_attention import logit_l1, oracle
-
 from kvarn.attention.packed import KVarNPast
 from kvarn.attention.reference import reference_attention
 from kvarn.attention.view import StoredKV
@@ -32,8 +29,9 @@ from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.presets import get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
 from kvarn.quant.base import Packed
-
-EPS32 = torch.finfo(torch.float32).eps
+from tests.helpers import logit_l1, oracle
+from tests.reference.data import heavy_tailed
+from tests.tolerances import EPS32
 
 
 # -- codes -----------------------------------------------------------------------------------------------------
@@ -309,7 +307,7 @@ def test_gpu_check_smoke_runs_on_the_interpreter(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=300)

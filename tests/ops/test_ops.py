@@ -9,15 +9,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference.data import heavy_tailed, real_tiles
-from reference.hadamard import hadamard_reference, power_of_two_parts, sylvester
-from reference.packing import pack_row, unpack_row
-from reference.rtn import rtn_row
-from reference.varn import imbalance_ref, matching_candidate, varn_ref
 
 from kvarn.ops import hadamard_matrix, hadamard_transform, imbalance, pack_codes, rtn_quantize, unpack_codes, varn
 from kvarn.ops.hadamard import hadamard_blocks
 from kvarn.ops.rtn import rtn_dequantize
+from tests.reference.data import heavy_tailed, real_tiles
+from tests.reference.hadamard import hadamard_reference, power_of_two_parts, sylvester
+from tests.reference.packing import pack_row, unpack_row
+from tests.reference.rtn import rtn_row
+from tests.reference.varn import imbalance_ref, matching_candidate, varn_ref
 
 POW2 = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 FALLBACK = [80, 96, 112, 160, 192]

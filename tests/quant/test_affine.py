@@ -9,30 +9,23 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference.affine import TileRef, quantize_tile_ref, reconstruct_ref
-from reference.data import heavy_tailed, real_tiles
-from reference.hadamard import hadamard_reference
-from reference.packing import unpack_row
 
 from kvarn.presets import get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
 from kvarn.quant.base import Packed
+from tests.helpers import check_against_reference, stored_codes
+from tests.reference.data import heavy_tailed, real_tiles
+from tests.reference.hadamard import hadamard_reference
+from tests.tolerances import FP16_ETA, FP16_U
 
 # (rotate, varn) of the four families: RTN, Hadamard only, VarN only, KVarN
 FAMILIES = {"rtn": ("none", False), "hadamard": ("hadamard", False), "varn": ("none", True),
             "kvarn": ("hadamard", True)}
-FP16_U = 2.0**-11 * (1 + 1e-6)  # relative half-ulp of fp16 (and the float32 -> fp16 cast)
-FP16_ETA = 2.0**-25  # half the spacing of fp16 subnormals: absolute rounding error near zero
 
 
 def quantizer(family: str, bits: int, axis: str, tile: int, scale_dtype=torch.float16) -> AffineQuantizer:
     rotate, use_varn = FAMILIES[family]
     return AffineQuantizer(AffineConfig(bits, axis, rotate, use_varn, tile=tile, scale_dtype=scale_dtype))
-
-
-def stored_codes(packed: Packed, i: int, bits: int) -> list[list[int]]:
-    """Codes of tile i [R][C], unpacked by the reference bit-by-bit reader."""
-    return [unpack_row(row, bits) for row in packed["codes"][i].tolist()]
 
 
 def tiles_of_kind(kind: str, g: torch.Generator, n: int, tile: int, d: int) -> torch.Tensor:
@@ -47,49 +40,6 @@ def tiles_of_kind(kind: str, g: torch.Generator, n: int, tile: int, d: int) -> t
 
 
 # --- against the reference --------------------------------------------------------------------------------
-
-
-def check_against_reference(q: AffineQuantizer, x: torch.Tensor) -> None:
-    """x [N, G, D] float32. Codes, stored scales and the reconstruction formula against the float64 oracle."""
-    c = q.config
-    packed = q.encode(x)
-    dec = q.decode(packed)
-    levels = 2**c.bits - 1
-    # float32 pipeline vs float64 oracle: VarN scales agree to ~1e-6 relative (test_ops), the float32
-    # Hadamard to ~1e-6 of the tile's scale, so a position (B - lo)/delta moves by far less than 1e-3
-    # even where max|B| is 10x the row's range; only positions that close to k + 0.5 may round differently.
-    tie_eps = 1e-3
-    for i in range(len(x)):
-        ref: TileRef = quantize_tile_ref(x[i].double(), c.bits, c.axis, c.rotate == "hadamard", c.varn, c.varn_iters)
-        codes = stored_codes(packed, i, c.bits)
-        mismatches = 0
-        for r, (got_row, want_row) in enumerate(zip(codes, ref.codes)):
-            for col, (got, want) in enumerate(zip(got_row, want_row)):
-                if got != want:
-                    pos = ref.positions[r][col]
-                    assert abs(got - want) == 1 and abs(pos - math.floor(pos) - 0.5) < tie_eps, (i, r, col, pos)
-                    mismatches += 1
-        assert mismatches <= max(2, len(codes) * len(codes[0]) // 100)
-        # stored scales: the oracle's rounded to fp16 (half an ulp) plus the float32 drift (1e-5), up to
-        # VarN's gauge: (t k, a / k, z / k) gives the same B, codes and reconstruction, and float32 may pick
-        # a different one of the iterations that tie at the fixed point (see reference.varn.matching_candidate)
-        tol = 2 * FP16_U + 1e-5
-        k = 1.0
-        if c.varn:
-            ratio = packed["col_scale"][i].double() / torch.tensor(ref.t, dtype=torch.float64)
-            k = ratio.median().item()
-            assert ((ratio - k).abs() <= tol * k).all(), "column scales differ by more than a gauge factor"
-        for name, want in (("row_scale", ref.a), ("row_zero", ref.z)):
-            got = packed[name][i].double()
-            want = torch.tensor(want, dtype=torch.float64) / k
-            assert ((got - want).abs() <= want.abs() * tol + FP16_ETA).all(), name
-        # reconstruction formula X^[r, c] = (q a_r + z_r) t_c with the stored codes and scales, float64
-        t = packed["col_scale"][i].double().tolist() if c.varn else None
-        want = reconstruct_ref(codes, packed["row_scale"][i].double().tolist(), packed["row_zero"][i].double().tolist(),
-                               t, c.axis, c.rotate == "hadamard")
-        scale = want.abs().max().item()
-        assert (dec[i].double() - want).abs().max().item() <= 2e-6 * scale + 1e-30  # float32 decode arithmetic
-        assert levels >= 1
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

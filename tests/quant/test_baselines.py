@@ -18,22 +18,6 @@ import math
 
 import pytest
 import torch
-from reference.baselines_ref import (
-    channel_rows_recon,
-    coordinate_mse_ref,
-    dense_sparse_recon,
-    dense_sparse_ref,
-    kitty_ref,
-    kivi_keys_ref,
-    lloyd_max_ref,
-    polar_recon,
-    polar_ref,
-    token_rtn_recon,
-    token_rtn_ref,
-    turbo_recon,
-    turbo_ref,
-)
-from reference.data import heavy_tailed, real_tiles
 
 from kvarn.cache.store import LayerStore
 from kvarn.ops.hadamard import hadamard_transform
@@ -50,8 +34,25 @@ from kvarn.quant.baselines import (
 from kvarn.quant.baselines.kitty import promoted_count
 from kvarn.quant.baselines.kivi import kivi_key, kivi_preset
 from kvarn.quant.baselines.kvquant import outlier_count
+from tests.reference.baselines_ref import (
+    channel_rows_recon,
+    coordinate_mse_ref,
+    dense_sparse_recon,
+    dense_sparse_ref,
+    kitty_ref,
+    kivi_keys_ref,
+    lloyd_max_ref,
+    polar_recon,
+    polar_ref,
+    token_rtn_recon,
+    token_rtn_ref,
+    turbo_recon,
+    turbo_ref,
+)
+from tests.reference.data import heavy_tailed, real_tiles
+from tests.tolerances import CODE_TIE_F32 as F32  # code-unit tie tolerances (see the module docstring)
+from tests.tolerances import CODE_TIE_F64 as F64
 
-F64, F32 = 1e-9, 1e-4  # code-unit tie tolerances (see the module docstring)
 BASELINES = ["kivi-k2v2-g32", "kivi-k2v2-g128", "kivi-k4v4-g32", "kivi-k4v4-g128", "quarot-k2v2",
              "quarot-k2v2-clip95", "quarot-k4v4", "quarot-k2v2-sink128", "kvquant-k2v2-1pct", "polarquant-k4v2",
              "turboquant-k3v3", "turboquant-qjl-k3v3", "kitty-k2v2-g128", "kitty-k2v2-g32"]

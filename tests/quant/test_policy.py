@@ -236,9 +236,8 @@ def test_layer_store_defers_key_tiles_until_their_queries(seed, monkeypatch):
 def test_cache_observes_queries_on_both_read_paths(seed):
     """A prompt through KVarNCache under "sdpa" (reference reads) and "kvarn" (packed reads): every quantized
     layer saw the prompt's queries before storing its key tiles, and both paths stored the same tiles."""
-    from conftest import make_tiny_model
-
     from kvarn.integrations.transformers import KVarNCache, KVarNLayer
+    from tests.helpers import make_tiny_model
 
     model = make_tiny_model("qwen2", layers=2, heads=4, kv_heads=2, head_dim=64, seed=seed % 1000)
     ids = torch.randint(3, 256, (1, 8 + 2 * 64 + 5), generator=torch.Generator().manual_seed(seed))

@@ -32,12 +32,12 @@ LENGTHS = (150, 300, 400, 520)  # prompt tokens: the first stays within sink + o
 KV_GIB = 1
 ENV = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
+ROOT = HERE.parents[2]
 RUN_TIMEOUT = 1200
 REPORT = ROOT / "out" / "vllm" / "engine.json"
 
 def _vllm_installed() -> bool:
-    # with tests/ on sys.path, tests/vllm is an implicit namespace package named "vllm" (no origin): not vLLM itself
+    # a folder named vllm on sys.path would be an implicit namespace package (no origin): not vLLM itself
     import importlib.util
 
     spec = importlib.util.find_spec("vllm")

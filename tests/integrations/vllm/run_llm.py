@@ -1,6 +1,6 @@
 """Run vLLM's `LLM` once in a fresh process (a helper of the engine tests, not a test).
 
-    python tests/vllm/run_llm.py JOB.json OUT.json
+    python tests/integrations/vllm/run_llm.py JOB.json OUT.json
 
 JOB: {"llm": {LLM kwargs}, "prompts": [[token ids]], "max_tokens": n}
 OUT: {"tokens": greedy continuations}

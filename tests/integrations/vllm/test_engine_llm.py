@@ -8,7 +8,8 @@ kvarn logs nothing. The runs are `engine_common.engine` (one per session, shared
 from __future__ import annotations
 
 import pytest
-from engine_common import capacity, engine, record  # skips this module where vLLM is not installed
+
+from .engine_common import capacity, engine, record  # skips this module where vLLM is not installed
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
 

@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_common import (  # skips this module where vLLM is not installed
+
+from .engine_common import (  # skips this module where vLLM is not installed
     ENV,
     MAX_NEW,
     PRESET,

@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from engine_common import PRESET, kvarn, model_dir, prompts, record, run_llm
+
+from .engine_common import PRESET, kvarn, model_dir, prompts, record, run_llm
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
 
