@@ -50,6 +50,16 @@ def seed() -> int:
     return TEST_SEED
 
 
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (torch.cuda.is_available())")
+
+
+@pytest.fixture(scope="session", params=["cpu", pytest.param("cuda", marks=_NO_CUDA)])
+def device(request) -> torch.device:
+    """Where a device-agnostic op runs: the CPU always, CUDA where present (skipped with the reason elsewhere).
+    Session-scoped so hypothesis tests may take it."""
+    return torch.device(request.param)
+
+
 @pytest.fixture(scope="session")
 def real_model():
     """The embedded SmolLM2-135M-Instruct (converted once to a HF folder under the kvarn cache)."""

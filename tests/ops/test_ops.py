@@ -46,11 +46,11 @@ def test_hadamard_matrix_equals_dense_sylvester_reference(d):
 
 
 @pytest.mark.parametrize("d", POW2 + FALLBACK)
-def test_hadamard_transform_matches_reference_and_inverts(d, seed):
+def test_hadamard_transform_matches_reference_and_inverts(d, seed, device):
     g = torch.Generator().manual_seed(seed)
     x = heavy_tailed(3, 5, d, generator=g)
     ref = x @ hadamard_reference(d)
-    y = hadamard_transform(x)
+    y = hadamard_transform(x.to(device)).cpu()
     scale = x.abs().max().item()
     assert y.dtype == torch.float64 and y.shape == x.shape
     assert (y - ref).abs().max().item() < 1e-12 * scale
@@ -60,11 +60,11 @@ def test_hadamard_transform_matches_reference_and_inverts(d, seed):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
-def test_hadamard_transform_low_precision_keeps_dtype(dtype, tol, seed):
+def test_hadamard_transform_low_precision_keeps_dtype(dtype, tol, seed, device):
     # low precision inputs are transformed in float32 and rounded back once: error ~ the dtype's eps
     g = torch.Generator().manual_seed(seed)
     x = heavy_tailed(4, 96, generator=g).to(dtype)
-    y = hadamard_transform(x)
+    y = hadamard_transform(x.to(device)).cpu()
     assert y.dtype == dtype
     ref = x.double() @ hadamard_reference(96)
     assert ((y.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item() < tol
@@ -176,13 +176,13 @@ def test_varn_bad_input():
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
-def test_rtn_float64_bit_exact_against_scalar_loop(bits, seed):
+def test_rtn_float64_bit_exact_against_scalar_loop(bits, seed, device):
     # float64 in both: the same three operations per element, so codes, delta and lo are identical
     g = torch.Generator().manual_seed(seed)
     x = heavy_tailed(6, 40, generator=g)
     x[1] = 2.0  # constant row: delta at the 1e-10 guard, all codes 0
     x[2, ::2] = 0.0  # exact ties are likely for some widths
-    q, delta, lo = rtn_quantize(x, bits)
+    q, delta, lo = (t.cpu() for t in rtn_quantize(x.to(device), bits))
     for r, row in enumerate(x.tolist()):
         rc, rd, rl, _ = rtn_row(row, bits)
         assert q[r].tolist() == rc
@@ -206,9 +206,9 @@ def test_rtn_float32_codes_match_except_at_ties(bits, seed):
                 assert abs(got - want) == 1 and abs(pos[c] - math.floor(pos[c]) - 0.5) < eps, (r, c, pos[c])
 
 
-def test_rtn_error_within_half_step(seed):
+def test_rtn_error_within_half_step(seed, device):
     g = torch.Generator().manual_seed(seed)
-    x = heavy_tailed(16, 64, generator=g)
+    x = heavy_tailed(16, 64, generator=g).to(device)
     for bits in (2, 4):
         q, delta, lo = rtn_quantize(x, bits)
         err = (rtn_dequantize(q, delta, lo) - x).abs()
@@ -229,11 +229,11 @@ PER_GROUP = {1: 8, 2: 4, 3: 8, 4: 2, 8: 1}
 @settings(max_examples=40, deadline=None)
 @given(bits=st.sampled_from([1, 2, 3, 4, 8]), lead=st.lists(st.integers(1, 4), min_size=0, max_size=3),
        groups=st.integers(1, 12), data=st.data())
-def test_pack_roundtrip_and_reference(bits, lead, groups, data):
+def test_pack_roundtrip_and_reference(bits, lead, groups, data, device):
     n = groups * PER_GROUP[bits]
     seed = data.draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 2**bits, (*lead, n), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 2**bits, (*lead, n), generator=g, dtype=torch.uint8).to(device)
     packed = pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (*lead, n * bits // 8)
     assert torch.equal(unpack_codes(packed, bits), codes)  # bit-exact round trip
