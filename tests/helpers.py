@@ -207,7 +207,7 @@ def nonfinite_case(seed: int):
     return q, kn, vn, past, ok, oracle(q, kn, vn, past, ok, d ** -0.5), bad
 
 
-# -- a quantizer against the float64 tile oracle of SPEC §3 (tests/quant/test_affine.py) --------------------------
+# -- a quantizer against the float64 tile oracle of SPEC §3 (tests/quant/test_affine.py) ------------------
 def stored_codes(packed: Packed, i: int, bits: int) -> list[list[int]]:
     """Codes of tile i [R][C], unpacked by the reference bit-by-bit reader."""
     return [unpack_row(row, bits) for row in packed["codes"][i].tolist()]
