@@ -91,7 +91,7 @@ def tiny_model_folder(folder, family: str, words: list[str], n_words: int, seed:
 
 # -- the float64 attention oracle (tests/attention/test_attention.py states its tolerances) ---------------------
 def dequant_affine_f64(view: StoredKV) -> torch.Tensor:
-    """[B, H, n*G, D] float64 reconstruction of packed tiles of an AffineQuantizer (SPEC §3 step 5)."""
+    """[B, H, n*G, D] float64 reconstruction of packed tiles of an AffineQuantizer (docs/SPEC.md §3 step 5)."""
     cfg = view.quantizer.config
     f = view.packed.fields
     codes = unpack_tensor(f["codes"], cfg.bits).double()  # [B, H, n, R, C]
@@ -207,7 +207,7 @@ def nonfinite_case(seed: int):
     return q, kn, vn, past, ok, oracle(q, kn, vn, past, ok, d ** -0.5), bad
 
 
-# -- a quantizer against the float64 tile oracle of SPEC §3 (tests/quant/test_affine.py) ------------------
+# -- a quantizer against the float64 tile oracle of docs/SPEC.md §3 (tests/quant/test_affine.py) ------------------
 def stored_codes(packed: Packed, i: int, bits: int) -> list[list[int]]:
     """Codes of tile i [R][C], unpacked by the reference bit-by-bit reader."""
     return [unpack_row(row, bits) for row in packed["codes"][i].tolist()]

@@ -109,7 +109,7 @@ def test_tiles_equal_the_quantizer_applied_per_tile(seed):
 
 @pytest.mark.parametrize("family", ["kvarn", "rtn"])
 def test_full_equals_float64_reference(family, seed):
-    """full() against the oracle of SPEC §3 tile by tile (tolerance: reference/store_check.py)."""
+    """full() against the oracle of docs/SPEC.md §3 tile by tile (tolerance: reference/store_check.py)."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     sink, tile = 8, 16

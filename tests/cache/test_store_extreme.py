@@ -1,4 +1,4 @@
-"""Non-finite and extreme K/V through the store, each class against the float64 oracle of SPEC §3.
+"""Non-finite and extreme K/V through the store, each class against the float64 oracle of docs/SPEC.md §3.
 
 Every tile is either kept exact (restored bit for bit, counted by cause in `stats`) or matches the oracle at the
 tolerance of reference/store_check.py; exact regions come back bit for bit; no position is lost. The count of

@@ -33,7 +33,7 @@ def test_presets_json_lists_every_preset_with_measured_bits(capsys):
         assert (r["k_bits"], r["v_bits"], r["tile"], r["sink"]) == (p.k_bits, p.v_bits, p.tile, p.sink)
         assert 0 < r["bits_per_element"] <= 16
     by_name = {r["name"]: r for r in rows}
-    # SPEC §3: 2.375 at D = G = 128, +0.1875 at D = 64; RTN without column scales: 2.25 + 0.125
+    # docs/SPEC.md §3: 2.375 at D = G = 128, +0.1875 at D = 64; RTN without column scales: 2.25 + 0.125
     assert by_name["kvarn-k2v2-g128"]["bits_per_element"] == 2.5625
     assert by_name["kvarn-k4v4-g64"]["bits_per_element"] == 4.375 + 2 * 0.1875
     assert by_name["rtn-k4v2-g128"]["bits_per_element"] == 3.25 + 0.125

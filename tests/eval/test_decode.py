@@ -1,4 +1,4 @@
-"""`kvarn eval decode` (SPEC §8 decode protocol) on a tiny random model with the real tokenizer, checked against
+"""`kvarn eval decode` (docs/SPEC.md §8 decode protocol) on a tiny random model with the real tokenizer, checked against
 a plain token-by-token loop; the real-model figures are slow tests."""
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def test_decode_bad_input(tiny, tmp_path, capsys):
         main(["eval", "decode", "--max-len", "0"])
 
 
-# -- the real models (SPEC §8; issue 6 acceptance). ~10 min on SmolLM2, ~35 min on Qwen2.5-Coder, 2 cores --
+# -- the real models (docs/SPEC.md §8; issue 6 acceptance). ~10 min on SmolLM2, ~35 min on Qwen2.5-Coder, 2 cores --
 ISSUE6 = "rtn-k2v2-g128,hadamard-k2v2-g128,varn-k2v2-g128,kvarn-k2v2-g128,kvarn-auto-k2v2-g128"
 
 

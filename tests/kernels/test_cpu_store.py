@@ -1,5 +1,5 @@
 """The fused CPU tile store (kvarn.kernels.cpu.store) against the PyTorch reference (`encode_reference`) and the
-float64 oracles of tests/reference (through tests/helpers.py's check against SPEC §3).
+float64 oracles of tests/reference (through tests/helpers.py's check against docs/SPEC.md §3).
 
 Tolerance, derived. The kernel repeats the reference's float32 operations in its order (Hadamard butterflies,
 x / c / r, lo, hi, delta, (B - lo) / delta, round half to even, a = delta s_r, z = lo s_r, (q a + z) t), without
@@ -212,7 +212,7 @@ def test_half_inputs(dtype, seed):
 @pytest.mark.parametrize("family", ["rtn", "hadamard", "varn", "kvarn"])
 @pytest.mark.parametrize("d,tile", [(64, 128), (96, 128), (128, 64), (256, 64)])
 def test_kernel_against_float64_oracle(family, d, tile, seed):
-    """tests/helpers.py's check against SPEC §3 in float64 (codes up to .5 ties, stored scales, reconstruction),
+    """tests/helpers.py's check against docs/SPEC.md §3 in float64 (codes up to .5 ties, stored scales, reconstruction),
     here with every encode through the kernel (KVARN_KERNEL=cpu)."""
     g = torch.Generator().manual_seed(seed)
     for axis in ("channel", "token"):

@@ -1,4 +1,4 @@
-"""kvarn.ops against the plain float64 references in tests/reference (SPEC §3 steps 1, 3, 4, 6)."""
+"""kvarn.ops against the plain float64 references in tests/reference (docs/SPEC.md §3 steps 1, 3, 4, 6)."""
 
 from __future__ import annotations
 

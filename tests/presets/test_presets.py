@@ -11,7 +11,7 @@ import torch
 from kvarn.presets import DEFAULT_PRESET, Preset, get_preset, preset_names
 from kvarn.quant.affine import AffineQuantizer
 
-# written from SPEC §3 and the ablation list, not read from kvarn.presets: (key rotation, value rotation, VarN)
+# written from docs/SPEC.md §3 and the ablation list, not read from kvarn.presets: (key rotation, value rotation, VarN)
 FAMILIES = {
     "kvarn": ("hadamard", "hadamard", True),
     "kvarn-auto": ("auto", "auto", True),
@@ -98,7 +98,7 @@ def test_bits_per_element_formula(name, d):
 
 
 def test_bits_per_element_headline_values():
-    # SPEC §3: k2v2 2.375, k4v2 3.375, k4v4 4.375 at D = G = 128; +0.1875 at D = 64 or G = 64
+    # docs/SPEC.md §3: k2v2 2.375, k4v2 3.375, k4v4 4.375 at D = G = 128; +0.1875 at D = 64 or G = 64
     for (kb, vb), want in zip(PAIRS, (2.375, 3.375, 4.375)):
         assert get_preset(f"kvarn-k{kb}v{vb}-g128").bits_per_element(128) == want
         assert get_preset(f"kvarn-k{kb}v{vb}-g128").bits_per_element(64) == want + 0.1875

@@ -1,4 +1,4 @@
-"""The KVarN-family quantizer (kvarn.quant.affine) against the float64 reference of SPEC §3, its error
+"""The KVarN-family quantizer (kvarn.quant.affine) against the float64 reference of docs/SPEC.md §3, its error
 bound, its byte accounting and its refusals."""
 
 from __future__ import annotations

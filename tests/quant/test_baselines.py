@@ -1,4 +1,4 @@
-"""The paper's baselines (SPEC §5) against plain float64 references (tests/reference/baselines_ref.py), their
+"""The paper's baselines (docs/SPEC.md §5) against plain float64 references (tests/reference/baselines_ref.py), their
 byte accounting through LayerStore, their cache policies, error bounds and bad input.
 
 Tolerances, stated once:

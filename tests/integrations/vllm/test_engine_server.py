@@ -9,7 +9,7 @@ One server, several checks (each engine start costs about a minute on 2 cores):
     whose top two logprobs lie within TIE = 0.3 nats (twice that, and margin) in either run may go either way.
     Before the first divergence every token must be equal, the divergence must be such a near-tie, and most prompts
     must agree throughout; a request reading another's blocks would diverge early, at no tie;
-  * agreement with stock vLLM (`engine_common.engine("stock")`), by teacher forcing (SPEC §8's top-1 agreement):
+  * agreement with stock vLLM (`engine_common.engine("stock")`), by teacher forcing (docs/SPEC.md §8's top-1 agreement):
     the server predicts every token of stock vLLM's greedy continuation from the tokens before it (prompt logprobs),
     so one early divergence does not decide the whole sequence. The kvarn backend's prefill equals its token by
     token decode (`kvarn.integrations.vllm.paged`), so prompt logprobs are what decoding would give;
