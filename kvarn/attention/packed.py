@@ -1,4 +1,4 @@
-"""Attention straight from the packed cache (SPEC §4): attn_implementation "kvarn", and every implementation of
+"""Attention straight from the packed cache (docs/SPEC.md §4): attn_implementation "kvarn", and every implementation of
 transformers' AttentionInterface once wrapped by `reading_packed` (kvarn.attention does it for "sdpa" and the rest).
 
 Hand-off from the cache (`kvarn.attention.handoff`): under packed reads, `KVarNLayer.update` returns the *fresh* K/V

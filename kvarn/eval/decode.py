@@ -1,4 +1,4 @@
-"""`kvarn eval decode`: the SPEC §8 decode protocol, next-token KL and top-1 agreement, token by token.
+"""`kvarn eval decode`: the docs/SPEC.md §8 decode protocol, next-token KL and top-1 agreement, token by token.
 
 The first `--max-len` tokens of the text (the standard library's `pydoc_data.topics` by default; from `--offset`
 characters in), tokenized with the model's default special tokens, are fed ONE token at a time (teacher forcing)
@@ -39,7 +39,7 @@ from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
 
 COMMAND = "decode"
-HELP = "SPEC §8 decode protocol: token-by-token KL and top-1 vs an unquantized cache"
+HELP = "docs/SPEC.md §8 decode protocol: token-by-token KL and top-1 vs an unquantized cache"
 DEFAULT_METHODS = ("rtn-k2v2-g128,hadamard-k2v2-g128,varn-k2v2-g128,kvarn-k2v2-g128,kvarn-auto-k2v2-g128,"
                    "kvarn-k4v2-g128")
 

@@ -1,4 +1,4 @@
-"""`kvarn eval decompose`: how much of the largest quantization errors is magnitude error (SPEC §6).
+"""`kvarn eval decompose`: how much of the largest quantization errors is magnitude error (docs/SPEC.md §6).
 
 For a token's vector x (one key or value of one KV head in one layer) and its reconstruction x^:
 
@@ -49,7 +49,7 @@ from kvarn.eval.forward import head_dim
 from kvarn.presets import Preset
 
 COMMAND = "decompose"
-HELP = "magnitude vs direction share of the largest per-token K/V errors (SPEC §6)"
+HELP = "magnitude vs direction share of the largest per-token K/V errors (docs/SPEC.md §6)"
 DEFAULT_METHODS = "rtn,hadamard,varn,kvarn-k2v2-g128"
 FRACTIONS = (0.001, 0.01, 0.05, 1.0)
 KINDS = ("keys", "values")

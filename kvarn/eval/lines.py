@@ -1,4 +1,4 @@
-"""`kvarn eval lines`: line retrieval (LongChat style, SPEC §6), static and cumulative.
+"""`kvarn eval lines`: line retrieval (LongChat style, docs/SPEC.md §6), static and cumulative.
 
 A query is a document of L lines "line i: REGISTER_CONTENT is <CODE>", CODE 10 random characters of
 [A-Z0-9], followed by the question for the code of one random line (wrapped in the model's chat template

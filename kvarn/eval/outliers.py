@@ -1,4 +1,4 @@
-"""`kvarn eval outliers`: fix the worst 5% of quantization errors, or the other 95%, and compare (SPEC §6).
+"""`kvarn eval outliers`: fix the worst 5% of quantization errors, or the other 95%, and compare (docs/SPEC.md §6).
 
 Each method runs in cumulative mode (engine.run_blocks) three ways per granularity:
     base    the method as is
@@ -31,7 +31,7 @@ from kvarn.eval.forward import head_dim
 from kvarn.eval.patch import patched_preset
 
 COMMAND = "outliers"
-HELP = "KL after fixing the worst 5% of errors vs the other 95% (cumulative mode, SPEC §6)"
+HELP = "KL after fixing the worst 5% of errors vs the other 95% (cumulative mode, docs/SPEC.md §6)"
 DEFAULT_METHODS = "rtn,kvarn-k2v2-g128"
 GRANULARITIES = ("token", "element")
 

@@ -1,4 +1,4 @@
-"""`kvarn eval pseudo-decode`: error growth with context length, static vs cumulative (SPEC §6).
+"""`kvarn eval pseudo-decode`: error growth with context length, static vs cumulative (docs/SPEC.md §6).
 
 The first `--max-len` tokens of the text are fed in blocks of `--block` tokens (engine.run_blocks): the
 reference on a DynamicCache, each method on its own KVarNCache in static and/or cumulative mode. Per
@@ -33,7 +33,7 @@ from kvarn.eval.engine import MODES, RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
 
 COMMAND = "pseudo-decode"
-HELP = "error vs context length, static vs cumulative (SPEC §6 pseudo-decoding)"
+HELP = "error vs context length, static vs cumulative (docs/SPEC.md §6 pseudo-decoding)"
 DEFAULT_METHODS = "rtn,hadamard,varn,kvarn-k2v2-g128"
 
 

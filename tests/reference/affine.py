@@ -1,4 +1,4 @@
-"""The KVarN-family quantizer of one tile, float64, from SPEC §3 steps 1-5, using the plain references.
+"""The KVarN-family quantizer of one tile, float64, from docs/SPEC.md §3 steps 1-5, using the plain references.
 
 Token-major tile x [G, D]:
     w = x @ H                                  (if rotated; H from `hadamard_reference`)

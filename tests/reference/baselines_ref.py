@@ -1,4 +1,4 @@
-"""Float64 oracles of the baselines (SPEC §5), written plainly from each method's description, not from kvarn.
+"""Float64 oracles of the baselines (docs/SPEC.md §5), written plainly from each method's description, not from kvarn.
 
 Every function takes token-major tiles x [N, G, D] (any float dtype, computed in float64 Python floats) and
 returns plain lists/tensors: the codes, the scales as computed (unrounded), and for each code a *margin*: how

@@ -1,4 +1,4 @@
-"""Asymmetric round-to-nearest of one row, a scalar loop in float64 (SPEC §3 step 4).
+"""Asymmetric round-to-nearest of one row, a scalar loop in float64 (docs/SPEC.md §3 step 4).
 
     lo = min(row), hi = max(row), delta = max((hi - lo) / (2^b - 1), 1e-10)
     q  = clamp(round((x - lo) / delta), 0, 2^b - 1), round half to even (Python's round)

@@ -1,4 +1,4 @@
-"""Check one stored tile against the float64 oracle of SPEC §3 (`quantize_tile_ref`), at a stated tolerance.
+"""Check one stored tile against the float64 oracle of docs/SPEC.md §3 (`quantize_tile_ref`), at a stated tolerance.
 
 Compared in the tile's rows domain (rotated back with the reference H where rotated), per element:
   * 3 half-ulps of fp16 of (|q a| + |z|) |t|: the stored a, z, t are fp16-rounded;

@@ -1,4 +1,4 @@
-"""VarN on one tile, a plain loop in float64 written from SPEC §3 step 3 (not from kvarn.ops.varn).
+"""VarN on one tile, a plain loop in float64 written from docs/SPEC.md §3 step 3 (not from kvarn.ops.varn).
 
     sigma_col(Y): sample std (divide by N - 1) of each column over the rows; sigma_row(Y): of each row
     Imb(Y) = max(sigma_col) / max(min(sigma_col), 1e-8) + max(sigma_row) / max(min(sigma_row), 1e-8)

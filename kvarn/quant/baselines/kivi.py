@@ -10,7 +10,7 @@ Per layer and KV head (no attention sink: KIVI has none):
              keys wait in the tail until R of them are complete, then are quantized as R/G tiles at once. They
              are never quantized one decode token at a time: per-channel statistics over a single token make
              min = max, so the token would come back exact and the cache would silently stay full precision
-             (a known reimplementation bug; tests/test_baselines.py checks it does not happen here).
+             (a known reimplementation bug; tests/quant/test_baselines.py checks it does not happen here).
              Values keep a sliding window of the newest R in full precision; each older token is quantized as
              it leaves the window (KIVI's `value_full_length > residual_length` rule).
 RTN (both): delta = (max - min) / (2^b - 1), q = clamp(round((x - min) / delta), 0, 2^b - 1), x^ = q delta + min.

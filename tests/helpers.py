@@ -1,0 +1,300 @@
+"""Builders and oracles that more than one test module uses: tiny random models, the float64 attention oracle and
+its inputs, the check of a quantizer against the float64 tile oracle, small stores, forwards through a cache.
+
+Test modules import them from here (`from tests.helpers import ...`), never from one another; fixtures stay in
+tests/conftest.py."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+
+import torch
+
+import kvarn.attention.packed as packed_mod
+from kvarn.attention import KVarNPast
+from kvarn.attention.view import StoredKV
+from kvarn.cache.store import LayerStore
+from kvarn.presets import Preset, affine_preset, get_preset
+from kvarn.quant.affine import AffineQuantizer
+from kvarn.quant.base import Packed
+from tests.reference.affine import TileRef, quantize_tile_ref, reconstruct_ref
+from tests.reference.data import heavy_tailed
+from tests.reference.hadamard import hadamard_reference
+from tests.reference.packing import unpack_row, unpack_tensor
+from tests.tolerances import FP16_ETA, FP16_U, LOGITS_REL
+
+# -- the test seed (printed by tests/conftest.py's header) ------------------------------------------------------
+SEED = 0  # the default seed of every test
+
+
+def _session_seed() -> int:
+    if "KVARN_SEED" in os.environ:
+        return int(os.environ["KVARN_SEED"])
+    if os.environ.get("KVARN_RANDOM_SEED") == "1":
+        return random.SystemRandom().randrange(2**31)
+    return SEED
+
+
+TEST_SEED = _session_seed()
+
+
+# -- tiny random models ---------------------------------------------------------------------------------------
+# Tiny configs per family; head_dim given explicitly. Random weights, built offline from the config.
+TINY_FAMILIES: dict[str, dict] = {
+    "llama": dict(model_type="llama"),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3"),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "phi3": dict(model_type="phi3"),
+    "gemma2": dict(model_type="gemma2", sliding_window=4096, query_pre_attn_scalar=64),
+    "gemma3": dict(model_type="gemma3_text", sliding_window=4096, query_pre_attn_scalar=64),
+}
+
+
+def make_tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    head_dim: int = 64, hidden: int = 128, vocab: int = 256, seed: int = 0, **overrides):
+    """A random-weight causal LM of `family`, float32, eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY_FAMILIES[family])
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **{**spec, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_model_folder(folder, family: str, words: list[str], n_words: int, seed: int = TEST_SEED) -> tuple[str, str]:
+    """Save a tiny random `family` model (weights from `seed`) with the embedded model's tokenizer into `folder`, and
+    a text file of `n_words` words drawn from `words` with `seed`. Returns (model folder, text path)."""
+    from transformers import AutoTokenizer
+
+    from kvarn.models import resolve
+
+    tok = AutoTokenizer.from_pretrained(resolve("default"))
+    model = make_tiny_model(family, layers=2, heads=4, kv_heads=2, head_dim=64, hidden=64, vocab=len(tok),
+                            seed=seed)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    rng = random.Random(seed)
+    text = folder / "text.txt"
+    text.write_text(" ".join(rng.choice(words) for _ in range(n_words)))
+    return str(folder), str(text)
+
+
+# -- the float64 attention oracle (tests/attention/test_attention.py states its tolerances) ---------------------
+def dequant_affine_f64(view: StoredKV) -> torch.Tensor:
+    """[B, H, n*G, D] float64 reconstruction of packed tiles of an AffineQuantizer (docs/SPEC.md §3 step 5)."""
+    cfg = view.quantizer.config
+    f = view.packed.fields
+    codes = unpack_tensor(f["codes"], cfg.bits).double()  # [B, H, n, R, C]
+    x = codes * f["row_scale"].double().unsqueeze(-1) + f["row_zero"].double().unsqueeze(-1)
+    if "col_scale" in f:
+        x = x * f["col_scale"].double().unsqueeze(-2)
+    if cfg.axis == "channel":
+        x = x.transpose(-1, -2)  # token-major [B, H, n, G, D]
+    h = hadamard_reference(x.shape[-1])
+    if cfg.rotate == "hadamard":
+        x = x @ h
+    elif cfg.rotate == "auto":
+        x = torch.where(f["rotated"].bool()[..., None, None], x @ h, x)
+    b, hh, n, g, d = x.shape
+    if view.exact_values is not None:
+        for (bi, hi, ti), v in zip(view.exact_index.tolist(), view.exact_values):
+            x[bi, hi, ti] = v.double()
+    return x.reshape(b, hh, n * g, d)
+
+
+def dequant_f64(view: StoredKV | None) -> torch.Tensor | None:
+    if view is None:
+        return None
+    if isinstance(view.quantizer, AffineQuantizer):
+        tiles = dequant_affine_f64(view) if view.n_tiles else None
+    else:  # other quantizers: their own decode (tested in their own files), exact tiles restored
+        tiles = view.decode_tiles(0, view.n_tiles, torch.float64) if view.n_tiles else None
+    parts = [view.sink, tiles, view.tail]
+    return torch.cat([p.double() for p in parts if p is not None and p.shape[2]], dim=2)
+
+
+def oracle(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, past: KVarNPast | None,
+           ok: torch.Tensor, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    """Plain attention in float64: query head h reads KV head h // (Hq/Hkv). ok: bool [B, 1, L, T]. -> [B, L, Hq, D]."""
+    kp = dequant_f64(past.keys) if past is not None else None
+    vp = dequant_f64(past.values) if past is not None else None
+    k = k_new.double() if kp is None else torch.cat([kp, k_new.double()], 2)
+    v = v_new.double() if vp is None else torch.cat([vp, v_new.double()], 2)
+    b, hq, length, d = q.shape
+    g = hq // k.shape[1]
+    out = torch.zeros(b, length, hq, d, dtype=torch.float64)
+    for h in range(hq):
+        s = torch.einsum("bld,btd->blt", q[:, h].double(), k[:, h // g]) * scaling
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~ok[:, 0], float("-inf"))
+        p = torch.softmax(s, -1)
+        p = torch.where(ok[:, 0].any(-1, keepdim=True), p, 0.0)
+        out[:, :, h] = torch.einsum("blt,btd->bld", p, v[:, h // g])
+    return out
+
+
+def logit_l1(q: torch.Tensor, k: torch.Tensor, scaling: float) -> float:
+    """max over (query, key) of sum_d |q_d k_d| * scaling (the conditioning of the logits), GQA-aware."""
+    kk = k.double().abs().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return float((q.double().abs() @ kk.transpose(-1, -2)).max()) * scaling
+
+
+# -- inputs -----------------------------------------------------------------------------------------------------
+def make_inputs(kind: str, b: int, h: int, t: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "gauss":
+        return torch.randn(b, h, t, d, generator=gen)
+    if kind == "heavy":
+        return heavy_tailed(b, h, t, d, generator=gen).float()
+    raise ValueError(kind)
+
+
+def padding_mask(pads: list[int], length: int, kv_len: int) -> torch.Tensor:
+    """bool [B, 1, L, kv_len]: row b ignores its first pads[b] positions; query i sits at kv_len - L + i."""
+    j = torch.arange(kv_len)
+    causal = j.view(1, -1) <= (torch.arange(length) + kv_len - length).view(-1, 1)
+    rows = [causal & (j >= p).view(1, -1) for p in pads]
+    return torch.stack(rows).unsqueeze(1)
+
+
+def build_past(preset: Preset | str, k: torch.Tensor, v: torch.Tensor, sink: int, splits: int = 3) -> KVarNPast:
+    st = LayerStore.from_preset(get_preset(preset), k.shape[-1], sink=sink)
+    t = k.shape[2]
+    cuts = sorted({0, t, *torch.randint(1, t, (splits - 1,)).tolist()})
+    for a, e in itertools.pairwise(cuts):  # appended in pieces of random lengths, as prefill + turns would
+        st.append(k[:, :, a:e], v[:, :, a:e])
+    return KVarNPast(StoredKV.of(st.keys), StoredKV.of(st.values))
+
+
+def fresh(gen: torch.Generator, b: int, hq: int, hkv: int, length: int, d: int):
+    """Gaussian queries [B, Hq, L, D] and fresh keys and values [B, Hkv, L, D] (drawn in that order)."""
+    return (torch.randn(b, hq, length, d, generator=gen), torch.randn(b, hkv, length, d, generator=gen),
+            torch.randn(b, hkv, length, d, generator=gen))
+
+
+def opposite_heads(gen: torch.Generator, t: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two [1, 1, t, D] heads that favour opposite rotation choices under kvarn-auto: 3 outlier channels (x30; the
+    plain basis keeps them in their own per-channel ranges) and heavy tails (Student-t, df 2; the rotation spreads)."""
+    outliers = torch.randn(1, 1, t, d, generator=gen) * torch.where(torch.arange(d) < 3, 30.0, 1.0)
+    return outliers, heavy_tailed(1, 1, t, d, generator=gen, df=2).float()
+
+
+def nonfinite_case(seed: int):
+    """A NaN key tile (row 1, head 0; its value tile packed) and an Inf value tile (row 0, head 1; its key tile
+    packed), sink 0, tiles of 64: (q, fresh k, fresh v, past, mask, float64 oracle, [B, Hq] heads that read them)."""
+    gen = torch.Generator().manual_seed(seed)
+    t, d = 3 * 64 + 10, 64
+    k, v = torch.randn(2, 2, t, d, generator=gen), torch.randn(2, 2, t, d, generator=gen)
+    k[1, 0, 70] = float("nan")  # tile 1 of row 1, head 0 (sink 0)
+    v[0, 1, 5] = float("inf")  # tile 0 of row 0, head 1
+    past = build_past("kvarn-k2v2-g64", k, v, sink=0)
+    assert past.keys.exact_index.tolist() == [[1, 0, 1]] and past.values.exact_index.tolist() == [[0, 1, 0]]
+    q, kn, vn = fresh(gen, 2, 4, 2, 1, d)
+    ok = padding_mask([0, 0], 1, t + 1)
+    bad = torch.zeros(2, 4, dtype=torch.bool)
+    bad[1, 0:2] = True  # query heads of KV head 0, row 1
+    bad[0, 2:4] = True
+    return q, kn, vn, past, ok, oracle(q, kn, vn, past, ok, d ** -0.5), bad
+
+
+# -- a quantizer against the float64 tile oracle of docs/SPEC.md §3 (tests/quant/test_affine.py) ------------------
+def stored_codes(packed: Packed, i: int, bits: int) -> list[list[int]]:
+    """Codes of tile i [R][C], unpacked by the reference bit-by-bit reader."""
+    return [unpack_row(row, bits) for row in packed["codes"][i].tolist()]
+
+
+def check_against_reference(q: AffineQuantizer, x: torch.Tensor) -> None:
+    """x [N, G, D] float32. Codes, stored scales and the reconstruction formula against the float64 oracle."""
+    c = q.config
+    packed = q.encode(x)
+    dec = q.decode(packed)
+    levels = 2**c.bits - 1
+    # float32 pipeline vs float64 oracle: VarN scales agree to ~1e-6 relative (test_ops), the float32
+    # Hadamard to ~1e-6 of the tile's scale, so a position (B - lo)/delta moves by far less than 1e-3
+    # even where max|B| is 10x the row's range; only positions that close to k + 0.5 may round differently.
+    tie_eps = 1e-3
+    for i in range(len(x)):
+        ref: TileRef = quantize_tile_ref(x[i].double(), c.bits, c.axis, c.rotate == "hadamard", c.varn, c.varn_iters)
+        codes = stored_codes(packed, i, c.bits)
+        mismatches = 0
+        for r, (got_row, want_row) in enumerate(zip(codes, ref.codes)):
+            for col, (got, want) in enumerate(zip(got_row, want_row)):
+                if got != want:
+                    pos = ref.positions[r][col]
+                    assert abs(got - want) == 1 and abs(pos - math.floor(pos) - 0.5) < tie_eps, (i, r, col, pos)
+                    mismatches += 1
+        assert mismatches <= max(2, len(codes) * len(codes[0]) // 100)
+        # stored scales: the oracle's rounded to fp16 (half an ulp) plus the float32 drift (1e-5), up to
+        # VarN's gauge: (t k, a / k, z / k) gives the same B, codes and reconstruction, and float32 may pick
+        # a different one of the iterations that tie at the fixed point (see reference.varn.matching_candidate)
+        tol = 2 * FP16_U + 1e-5
+        k = 1.0
+        if c.varn:
+            ratio = packed["col_scale"][i].double() / torch.tensor(ref.t, dtype=torch.float64)
+            k = ratio.median().item()
+            assert ((ratio - k).abs() <= tol * k).all(), "column scales differ by more than a gauge factor"
+        for name, want in (("row_scale", ref.a), ("row_zero", ref.z)):
+            got = packed[name][i].double()
+            want = torch.tensor(want, dtype=torch.float64) / k
+            assert ((got - want).abs() <= want.abs() * tol + FP16_ETA).all(), name
+        # reconstruction formula X^[r, c] = (q a_r + z_r) t_c with the stored codes and scales, float64
+        t = packed["col_scale"][i].double().tolist() if c.varn else None
+        want = reconstruct_ref(codes, packed["row_scale"][i].double().tolist(), packed["row_zero"][i].double().tolist(),
+                               t, c.axis, c.rotate == "hadamard")
+        scale = want.abs().max().item()
+        assert (dec[i].double() - want).abs().max().item() <= 2e-6 * scale + 1e-30  # float32 decode arithmetic
+        assert levels >= 1
+
+
+# -- small layer stores (tests/cache) -------------------------------------------------------------------------
+B, H, D = 2, 3, 16  # batch, KV heads, head_dim of the small stores of tests/cache
+
+
+def small_preset(family: str = "kvarn", tile: int = 16, sink: int = 8, flush: int | None = None,
+                 window: str = "block", bits: tuple[int, int] = (2, 2)):
+    """A preset with small tiles so the Python-loop reference stays quick; `flush` > tile hands the
+    quantizers several tiles at once."""
+    p = affine_preset(family, bits[0], bits[1], tile)
+    return p.replace(sink=sink, tile=flush or tile, value_window=window)
+
+
+# -- forwards through a cache (tests/integrations) ------------------------------------------------------------
+def close(a: torch.Tensor, b: torch.Tensor, rel: float = LOGITS_REL) -> bool:
+    return bool((a - b).abs().max() <= rel * (1 + b.abs().max()))
+
+
+def forward_steps(model, ids, cache, chunks, mask=None, positions=None):
+    """Teacher-forced forwards over consecutive chunks of ids (sizes `chunks`); returns the logits of each chunk."""
+    out, at = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            kw = {} if mask is None else {"attention_mask": mask[:, :at + n]}
+            if positions is not None:
+                kw["position_ids"] = positions[:, at:at + n]
+            out.append(model(ids[:, at:at + n], cache=cache, **kw).logits)
+            at += n
+    return torch.cat(out, dim=1)
+
+
+def packed_calls(fn):
+    """(fn(), number of packed_attention calls over a stored past it made)."""
+    real, calls = packed_mod.packed_attention, []
+
+    def counted(query, key, value, past, *args, **kwargs):
+        calls.append(past is not None)
+        return real(query, key, value, past, *args, **kwargs)
+
+    packed_mod.packed_attention = counted
+    try:
+        return fn(), sum(calls)
+    finally:
+        packed_mod.packed_attention = real

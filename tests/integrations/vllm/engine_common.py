@@ -1,0 +1,189 @@
+"""What the engine tests share: the model folders, the prompts, CPU vLLM runs (each once per session), the report.
+
+Every vLLM engine start costs about a minute on 2 cores, so each configuration runs once per pytest session
+(`engine(name)`, memoized) and the tests of all modules read its result:
+
+    stock      VLLM_PLUGINS="" (no plugin loaded at all): greedy tokens, KV capacity
+    disabled   the plugin installed and loaded, not enabled: greedy tokens, KV capacity
+    k2v2       additional_config={"kvarn": {"preset": "kvarn-k2v2-g128"}}: KV capacity (one short request)
+    (k4v2 runs as the OpenAI server, test_engine_server.py; the TP runs on a tiny model, test_engine_tp.py)
+
+Figures go to out/vllm/engine.json (`record`), with the command, machine and versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PRESET = "kvarn-k4v2-g128"
+MAX_NEW = 32
+LENGTHS = (150, 300, 400, 520)  # prompt tokens: the first stays within sink + one block, the others cross blocks
+KV_GIB = 1
+ENV = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+HERE = Path(__file__).parent
+ROOT = HERE.parents[2]
+RUN_TIMEOUT = 1200
+REPORT = ROOT / "out" / "vllm" / "engine.json"
+
+def _vllm_installed() -> bool:
+    # a folder named vllm on sys.path would be an implicit namespace package (no origin): not vLLM itself
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+# The engine tests run where vLLM is installed (.venv-vllm); elsewhere (the main venv's `make test` collection) every
+# module importing this one is skipped with this reason. `make test-vllm` sets KVARN_REQUIRE_VLLM=1: never skipped.
+if not _vllm_installed():
+    if os.environ.get("KVARN_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"KVARN_REQUIRE_VLLM=1 but vLLM is not importable from {sys.executable}: "
+                           "run `make vllm-venv`")
+    pytest.skip("vLLM is not installed in this venv (the engine tests run in .venv-vllm: `make test-vllm`)",
+                allow_module_level=True)
+
+def model_dir() -> str:
+    from kvarn.models import resolve
+
+    return str(resolve("default"))
+
+
+def prompts() -> list[list[int]]:
+    """Token ids of English prose from the standard library's pydoc topics, one text per prompt."""
+    import pydoc_data.topics
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir())
+    topics = pydoc_data.topics.topics
+    texts = [topics[k] for k in ("assignment", "exceptions", "naming", "integers")]
+    return [tok(t)["input_ids"][:n] for t, n in zip(texts, LENGTHS)]
+
+
+def llm_kwargs(extra: dict | None = None, **over) -> dict:
+    kw = {"model": model_dir(), "dtype": "bfloat16", "max_model_len": 1024, "max_num_seqs": 8, "enforce_eager": True,
+          "seed": 0, **over}
+    if extra is not None:
+        kw["additional_config"] = extra
+    return kw
+
+
+def kvarn(preset: str = PRESET) -> dict:
+    return {"kvarn": {"preset": preset}}
+
+
+@dataclass
+class Run:
+    out: dict  # run_llm.py's output: tokens (and top1 when scored)
+    log: str  # vLLM's stdout + stderr
+    seconds: float
+
+
+def run_llm(name: str, job: dict, env: dict | None = None) -> Run:
+    """One `run_llm.py` process (vLLM's engine started, used, stopped)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"kvarn-vllm-{name}-"))
+    job_file, out_file = tmp / "job.json", tmp / "out.json"
+    job_file.write_text(json.dumps(job))
+    t = time.time()
+    proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), str(job_file), str(out_file)],
+                          env={**os.environ, **ENV, **(env or {})}, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT)
+    log = proc.stdout + proc.stderr
+    if proc.returncode:
+        raise AssertionError(f"{name}: vLLM run failed (exit {proc.returncode}):\n{log[-6000:]}")
+    run = Run(json.loads(out_file.read_text()), log, time.time() - t)
+    record("seconds", {name: round(run.seconds, 1)})
+    return run
+
+
+_RUNS: dict[str, Run] = {}
+
+
+def engine(name: str) -> Run:
+    """The session's run of one configuration of the module docstring (started on first use)."""
+    if name not in _RUNS:
+        job = {"prompts": prompts(), "max_tokens": MAX_NEW}
+        if name == "stock":
+            _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()}, {"VLLM_PLUGINS": ""})
+        elif name == "disabled":
+            _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()})
+        elif name == "k2v2":
+            _RUNS[name] = run_llm(name, {"prompts": job["prompts"][:1], "max_tokens": 4,
+                                         "llm": llm_kwargs(kvarn("kvarn-k2v2-g128"))})
+        else:
+            raise KeyError(name)
+    return _RUNS[name]
+
+
+def stock_sequences() -> list[list[int]]:
+    """Each prompt followed by stock vLLM's greedy continuation: the sequences that every engine is scored on."""
+    return [p + t for p, t in zip(prompts(), engine("stock").out["tokens"])]
+
+
+def capacity(log: str) -> int:
+    """Tokens of KV cache that vLLM reports ("KV cache size: N tokens", per rank)."""
+    m = re.search(r"KV cache size: ([\d,]+) tokens", log)
+    assert m, "vLLM's log has no KV cache size line"
+    return int(m.group(1).replace(",", ""))
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    assert pairs, "nothing to compare"
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def transformers_top1(seqs: list[list[int]], preset: str | None, last: int = MAX_NEW) -> list[list[int]]:
+    """kvarn's transformers cache (None: no cache) predicting the last `last` tokens of each sequence, bf16.
+
+    The cache is fed one block (G tokens) at a time, so each query sees what the paged vLLM backend shows it: blocks
+    before its own as stored, its own block exact."""
+    import torch
+
+    from kvarn.integrations.transformers import KVarNCache
+    from kvarn.models import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model, _ = load_model("default", dtype=torch.bfloat16)
+        out = []
+        with torch.no_grad():
+            for s in seqs:
+                ids = torch.tensor([s])
+                if preset is None:
+                    logits = model(input_ids=ids).logits[0]
+                else:
+                    cache = KVarNCache(model.config, preset=preset, exact_dtype=None)
+                    g = cache.preset.tile
+                    logits = torch.cat([model(input_ids=ids[:, i:i + g], past_key_values=cache,
+                                              use_cache=True).logits[0] for i in range(0, ids.shape[1], g)])
+                out.append(logits[-last - 1:-1].argmax(-1).tolist())
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def record(key: str, value) -> None:
+    """Merge one figure into out/vllm/engine.json (dict values merge one level deep)."""
+    import torch
+
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    rep = json.loads(REPORT.read_text()) if REPORT.exists() else {}
+    rep.update({"command": "make test-vllm", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                "torch": torch.__version__, "vllm": __import__("vllm").__version__, "model": "smollm2-135m-instruct",
+                "dtype": "bfloat16", "VLLM_CPU_KVCACHE_SPACE_GiB": KV_GIB, "max_num_seqs": 8,
+                "prompt_tokens": list(LENGTHS), "new_tokens": MAX_NEW})
+    rep[key] = {**rep.get(key, {}), **value} if isinstance(value, dict) and isinstance(rep.get(key), dict) else value
+    REPORT.write_text(json.dumps(rep, indent=2) + "\n")

@@ -1,0 +1,33 @@
+"""Run vLLM's `LLM` once in a fresh process (a helper of the engine tests, not a test).
+
+    python tests/integrations/vllm/run_llm.py JOB.json OUT.json
+
+JOB: {"llm": {LLM kwargs}, "prompts": [[token ids]], "max_tokens": n}
+OUT: {"tokens": greedy continuations}
+
+Its own process because vLLM starts its engine with "spawn", which re-imports __main__, and so that each
+configuration (plugin on or off) resolves its attention backend afresh. vLLM logs to stdout/stderr, where the tests
+read its KV capacity report.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    llm = LLM(**job["llm"])
+    results = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]],
+                           SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]), use_tqdm=False)
+    out = {"tokens": [list(r.outputs[0].token_ids) for r in results]}
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

