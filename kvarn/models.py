@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvarn.paths import cache_dir
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,6 @@ class NamedModel:
     name: str
     description: str
     locate_gguf: Callable[[], Path]  # returns the GGUF path, assembling/checking it if needed
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVARN_CACHE", Path.home() / ".cache" / "kvarn"))
 
 
 def package_dir(package: str, hint: str) -> Path:

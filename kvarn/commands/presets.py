@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     if args.json:
-        from kvarn.eval.common import write_json
+        from kvarn.eval.results import write_json
 
         write_json(args.json, rows)
     print_table(rows, args.head_dim)
