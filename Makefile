@@ -27,7 +27,7 @@ run: $(STAMP)
 # pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
 # Then the vLLM engine tests in their own venv (test-vllm, below).
 test: $(STAMP)
-	$(VENV)/bin/ruff check kvarn tests benchmarks
+	$(VENV)/bin/ruff check kvarn tests
 	$(PY) -m pytest -q || { rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
 	$(MAKE) test-vllm
 
@@ -35,7 +35,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvarn tests benchmarks
+	$(VENV)/bin/ruff check kvarn tests
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

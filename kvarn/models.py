@@ -105,6 +105,8 @@ def resolve(name_or_path: str) -> Path | str:
     out = cache_dir() / "models" / named.name
     if (out / "config.json").exists() and (out / ".complete").exists():
         return out
+    # transformers reads GGUF through the gguf package (the `models` extra); fail on its name, not on a late message
+    importlib.import_module("gguf")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = named.locate_gguf()

@@ -1,6 +1,6 @@
 """How far vLLM's greedy logprobs move between a batched run and single requests (not a test; run in .venv-vllm).
 
-    .venv-vllm/bin/python benchmarks/vllm_batch_variance.py stock|kvarn
+    .venv-vllm/bin/python -m kvarn.bench.vllm_batch_variance stock|kvarn   # from the checkout: it reads tests/vllm
 
 The four prompts of the engine tests (tests/vllm/engine_common.py), 32 greedy tokens each, offline `LLM` with the
 engine tests' settings (bf16, 1 GiB KV, no prefix caching): all four in one `generate`, then each alone. Prints
@@ -15,13 +15,13 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "vllm"))  # the engine tests' settings
     which = sys.argv[1] if len(sys.argv) > 1 else "stock"
     if which not in ("stock", "kvarn"):
-        raise SystemExit("usage: vllm_batch_variance.py stock|kvarn")
+        raise SystemExit("usage: python -m kvarn.bench.vllm_batch_variance stock|kvarn")
     from engine_common import ENV
 
     os.environ.update(ENV)
