@@ -301,8 +301,8 @@ def test_kernels_compile_for_cuda():
 
 # -- the prepared GPU check ----------------------------------------------------------------------------------------
 def test_gpu_check_smoke_runs_on_the_interpreter(tmp_path):
-    """python -m kvarn.bench.gpu_check --smoke: every section of the prepared GPU check (correctness vs float64, decode and
-    store timing) on tiny shapes through the CPU interpreter, so the script a lent GPU will run is not first run
+    """python -m kvarn.bench.gpu_check --smoke: every section of the prepared GPU check (correctness vs float64, decode
+    and store timing) on tiny shapes through the CPU interpreter, so the script a lent GPU will run is not first run
     there. Timings on the interpreter mean nothing; only that it ran and found no failure."""
     import json
     import subprocess

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 
-
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "vllm"))  # the engine tests' settings
     which = sys.argv[1] if len(sys.argv) > 1 else "stock"
