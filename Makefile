@@ -28,7 +28,7 @@ run: $(STAMP)
 # pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
 # Then the vLLM engine tests in their own venv (test-vllm, below).
 test: $(STAMP)
-	$(VENV)/bin/ruff check kvarn tests
+	$(VENV)/bin/ruff check kvarn tests scripts
 	$(PY) -m pytest -q || { rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
 	$(MAKE) install-check
 	$(MAKE) test-vllm
@@ -37,7 +37,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvarn tests
+	$(VENV)/bin/ruff check kvarn tests scripts
 
 # What a user's `pip install kvarn` gets: a fresh venv, the checkout installed non-editable, then `kvarn presets`
 # (no compile), a KVarNCache decode on the fused CPU kernels, `kvarn generate` and `kvarn eval report` from another

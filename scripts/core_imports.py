@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.util
 import pkgutil
 import sys
 
 LAB = ("matplotlib", "rich", "tqdm", "gguf", "accelerate")
 CORE = ("ops", "quant", "presets", "cache", "attention", "kernels", "integrations", "paths")
+# parts of the core behind their own extra, imported only where that package is installed
+OPTIONAL = {"kvarn.kernels.triton.": "triton", "kvarn.integrations.vllm": "vllm"}
 
 
 class Block(importlib.abc.MetaPathFinder):
@@ -42,8 +45,9 @@ def main() -> int:
         module = importlib.import_module(f"kvarn.{sub}")
         names.append(module.__name__)
         for info in pkgutil.walk_packages(getattr(module, "__path__", []), f"kvarn.{sub}."):
-            if info.name.startswith("kvarn.integrations.vllm"):
-                continue  # needs vLLM itself (the vllm extra)
+            needs = [pkg for prefix, pkg in OPTIONAL.items() if info.name.startswith(prefix)]
+            if needs and importlib.util.find_spec(needs[0]) is None:
+                continue
             importlib.import_module(info.name)
             names.append(info.name)
     import kvarn
