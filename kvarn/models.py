@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvarn.paths import cache_dir
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,6 @@ class NamedModel:
     name: str
     description: str
     locate_gguf: Callable[[], Path]  # returns the GGUF path, assembling/checking it if needed
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVARN_CACHE", Path.home() / ".cache" / "kvarn"))
 
 
 def package_dir(package: str, hint: str) -> Path:
@@ -108,6 +105,9 @@ def resolve(name_or_path: str) -> Path | str:
     out = cache_dir() / "models" / named.name
     if (out / "config.json").exists() and (out / ".complete").exists():
         return out
+    # transformers reads GGUF through gguf and loads it with accelerate (the `models` extra): fail naming them
+    importlib.import_module("gguf")
+    importlib.import_module("accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = named.locate_gguf()

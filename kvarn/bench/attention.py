@@ -140,7 +140,7 @@ def bench_attention_case(shape: HeadShape, batch: int, context: int, presets: li
 def bench_attention(shapes: list[str], batches: list[int], contexts: list[int], presets: list[str], rounds: int,
                     warmup: int = 1, seed: int = 0, profile_context: int | None = None) -> dict:
     """Every (shape, batch, context) case; the kvarn contender is profiled at `profile_context`, batch 1."""
-    from kvarn.eval.common import progress
+    from kvarn.eval.progress import progress
 
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:

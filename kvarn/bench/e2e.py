@@ -100,7 +100,7 @@ def bench_e2e(model, load_ids: Callable[[int], torch.Tensor], contexts: list[int
               warmup: int = 1, profile: str | None = None) -> dict:
     """Tokens/s of every cache at every context; `load_ids(n)` gives the first n tokens of the text, [1, n].
     `profile`: a cache whose extra decode step at the longest context is profiled (top operators)."""
-    from kvarn.eval.common import progress
+    from kvarn.eval.progress import progress
 
     names, skipped = usable(caches)
     out = []

@@ -79,7 +79,7 @@ def bench_memory(model_name: str, load_ids, contexts: list[int], caches: list[st
     import multiprocessing
 
     from kvarn.bench.e2e import usable
-    from kvarn.eval.common import progress
+    from kvarn.eval.progress import progress
 
     names, skipped = usable(caches)
     rows = []

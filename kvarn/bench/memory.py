@@ -113,7 +113,8 @@ def run_long(args, layers: int, kv_heads: int, head_dim: int) -> int:
     from rich.table import Table
 
     from kvarn.console import console
-    from kvarn.eval.common import provenance, write_json
+    from kvarn.eval.provenance import provenance
+    from kvarn.eval.results import write_json
 
     preset = get_preset(args.preset).name
     rows = long_run(preset, args.tokens, 1024, layers, kv_heads, head_dim)

@@ -175,7 +175,7 @@ def _save(fig, path: Path) -> Path:
 
 def markdown(result: dict, images: list[Path] | None = None, relative_to: Path | None = None) -> str:
     """The generated block: command, machine, tables, plots, targets, profiles."""
-    from kvarn.eval.common import markdown_table
+    from kvarn.eval.results import markdown_table
 
     prov = result["provenance"]
     lines = [f"Command: `{result['command']}`", "",

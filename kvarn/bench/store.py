@@ -22,7 +22,7 @@ from kvarn.bench.e2e import prefilled, stepper
 from kvarn.bench.profile import top_ops
 from kvarn.bench.timing import interleaved_samples, spread
 from kvarn.cache.store import LayerStore
-from kvarn.eval.common import capture_kv
+from kvarn.eval.forward import capture_kv
 from kvarn.integrations.transformers import KVarNCache, KVarNLayer
 from kvarn.presets import get_preset
 
@@ -66,7 +66,7 @@ def _store_call(model, ids: torch.Tensor, preset: str, kv, calls: int) -> Callab
 
 def bench_store(model, load_ids: Callable[[int], torch.Tensor], presets: list[str], context: int, rounds: int,
                 warmup: int = 1) -> dict:
-    from kvarn.eval.common import progress
+    from kvarn.eval.progress import progress
 
     presets = [get_preset(p).name for p in presets]
     longest = max(get_preset(p).sink + get_preset(p).tile for p in presets)

@@ -75,7 +75,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 def _ints(text: str) -> list[int]:
-    from kvarn.eval.common import int_list
+    from kvarn.eval.options import int_list
 
     return int_list(text)
 
@@ -101,7 +101,10 @@ def command_line(args: argparse.Namespace, sections: list[str]) -> str:
 
 def run(args: argparse.Namespace, sections: list[str]) -> dict:
     from kvarn.bench.targets import check_targets
-    from kvarn.eval.common import load_tokens, provenance, release_freed_buffers, write_json
+    from kvarn.eval.heap import release_freed_buffers
+    from kvarn.eval.provenance import provenance
+    from kvarn.eval.results import write_json
+    from kvarn.eval.text import load_tokens
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvarn.console import console
     from kvarn.demo import DEFAULT_PROMPT, HEADERS, markdown, plot, run_demo, table_rows
-    from kvarn.eval.common import write_json
+    from kvarn.eval.results import write_json
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     report = run_demo(args.model, methods, args.new_tokens, args.prompt or DEFAULT_PROMPT, args.sink, args.attention)

@@ -111,7 +111,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvarn.eval.common import progress
+    from kvarn.eval.progress import progress
     from kvarn.synthetic import synthetic_kv
 
     if args.tiles < 1 or args.heads < 1:
@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
              f"head_dim {args.head_dim}, seed {args.seed}")
     print_table(rows, title)
     if args.json:
-        from kvarn.eval.common import provenance, write_json
+        from kvarn.eval.provenance import provenance
+        from kvarn.eval.results import write_json
 
         config = {"head_dim": args.head_dim, "tiles": args.tiles, "heads": args.heads, "seed": args.seed,
                   "tokens_per_tile": TOKENS_PER_TILE, "presets": [p.name for p in presets]}

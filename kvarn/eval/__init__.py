@@ -1,7 +1,8 @@
 """Evaluation harness: each analysis is a module exposing `COMMAND`, `add_arguments(parser)` and
-`run(args)`; `kvarn eval <COMMAND>` discovers them (`analyses()`). Shared pieces live in `common.py`
-(text, KL, provenance, results files), `forward.py` (caches, hooks), `engine.py` (block-by-block runs in
-lockstep with the reference), `plots.py` and `schema.py`."""
+`run(args)`; `kvarn eval <COMMAND>` discovers them (`analyses()`). Shared pieces, one topic each: `text.py`
+(the text read), `options.py` (common flags, seeding), `provenance.py`, `results.py` (JSON, markdown tables),
+`progress.py`, `heap.py`, `forward.py` (caches, hooks), `engine.py` (block-by-block runs in lockstep with the
+reference), `plots.py` and `schema.py` (with the schemas in `schemas/`); the KL divergences are kvarn.ops.metrics."""
 
 from __future__ import annotations
 

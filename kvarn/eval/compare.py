@@ -7,7 +7,7 @@ Per method:
                 `--block` (engine.run_blocks): attention-output MAE (mean over layers and blocks) and mean
                 next-token KL(ref || method)
   agreement     greedy agreement with FP16 over `--gen-tokens` generated tokens: the FP16 greedy answer to
-                a reasoning prompt is teacher-forced through each cache (kvarn.demo.follow_reference); top-1
+                a reasoning prompt is teacher-forced through each cache (kvarn.decoding.follow_reference); top-1
                 agreement and the first diverging position (where greedy decoding with that cache diverges)
 """
 
@@ -16,18 +16,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvarn.eval.common import (
-    add_common_arguments,
-    load_tokens,
-    markdown_table,
-    parse_methods,
-    positive_int,
-    progress,
-    publish,
-    result_header,
-    seed_everything,
-    text_name,
-)
+from kvarn.eval.options import add_common_arguments, parse_methods, positive_int, result_header, seed_everything
+from kvarn.eval.progress import progress
+from kvarn.eval.results import markdown_table, publish
+from kvarn.eval.text import load_tokens, text_name
 
 COMMAND = "compare"
 HELP = "one comparison table: bits, attention MAE, KL (cumulative pseudo-decoding), greedy agreement"
@@ -43,8 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvarn.decoding import chat_prompt
-    from kvarn.demo import DEFAULT_PROMPT, follow_reference, greedy_reference
+    from kvarn.decoding import DEFAULT_PROMPT, chat_prompt, follow_reference, greedy_reference
     from kvarn.eval.engine import RunSpec, run_blocks
     from kvarn.eval.forward import decoder_layers, head_dim
     from kvarn.models import load_model

@@ -15,7 +15,7 @@ included). With sink S = 128 and tiles G = 128 the first tile is quantized after
 before it. For presets that choose a rotation per tile (`kvarn-auto-*`), the share of rotated key (and value)
 tiles per layer and KV head, read from the stored flags (`packed["rotated"]`).
 
-Outputs in --out: decode.json (or --json FILE; schema docs/schemas/decode.schema.json), summary.md, and
+Outputs in --out: decode.json (or --json FILE; schema kvarn/eval/schemas/decode.schema.json), summary.md, and
 kl_vs_position.png.
 """
 
@@ -24,19 +24,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvarn.eval.common import (
-    add_common_arguments,
-    load_tokens,
-    markdown_table,
-    parse_methods,
-    positive_int,
-    publish,
-    result_header,
-    seed_everything,
-    text_name,
-)
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
+from kvarn.eval.options import add_common_arguments, parse_methods, positive_int, result_header, seed_everything
+from kvarn.eval.results import markdown_table, publish
+from kvarn.eval.text import load_tokens, text_name
 
 COMMAND = "decode"
 HELP = "docs/SPEC.md §8 decode protocol: token-by-token KL and top-1 vs an unquantized cache"

@@ -32,20 +32,11 @@ from pathlib import Path
 import torch
 
 from kvarn.cache.store import LayerStore
-from kvarn.eval.common import (
-    add_common_arguments,
-    capture_kv,
-    load_tokens,
-    markdown_table,
-    parse_methods,
-    positive_int,
-    progress,
-    publish,
-    result_header,
-    setup,
-    text_name,
-)
-from kvarn.eval.forward import head_dim
+from kvarn.eval.forward import capture_kv, head_dim
+from kvarn.eval.options import add_common_arguments, parse_methods, positive_int, result_header, setup
+from kvarn.eval.progress import progress
+from kvarn.eval.results import markdown_table, publish
+from kvarn.eval.text import load_tokens, text_name
 from kvarn.presets import Preset
 
 COMMAND = "decompose"

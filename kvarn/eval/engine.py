@@ -11,7 +11,7 @@ The sequence ids [1, T] is cut into blocks of b tokens. For each block, the refe
                 *reference* K/V and nothing accumulates across blocks (the block itself still attends
                 its own fresh K/V)
 
-Per position p and run:   kl[p]   = KL(p_ref(.|<=p) || p_run(.|<=p)) in float64 (eval.common; the
+Per position p and run:   kl[p]   = KL(p_ref(.|<=p) || p_run(.|<=p)) in float64 (ops.metrics; the
                                     reference's log softmax is computed once per block)
                           nll[p]  = -log p_run(ids[p+1] | <=p)   (NaN at the last position)
                           top1[p] = argmax p_run == argmax p_ref
@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from kvarn.cache.store import Bytes
-from kvarn.eval.common import kl_from_log_probs, log_probs, progress
 from kvarn.eval.forward import (
     AttentionRecorder,
     forward_block,
@@ -41,6 +40,8 @@ from kvarn.eval.forward import (
     quantized_cache,
     reference_cache,
 )
+from kvarn.eval.progress import progress
+from kvarn.ops.metrics import kl_from_log_probs, log_probs
 from kvarn.presets import Preset
 
 Mode = Literal["static", "cumulative"]

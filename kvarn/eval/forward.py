@@ -105,3 +105,13 @@ def inference(model: nn.Module):
             yield
     finally:
         model.train(was_training)
+
+
+@torch.no_grad()
+def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Full-precision (post-RoPE) keys and values of every attention layer, each [B, H_kv, T, D]."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    model(input_ids=input_ids, cache=cache, use_cache=True)
+    return [(layer.keys, layer.values) for layer in cache.layers]

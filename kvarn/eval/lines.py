@@ -24,20 +24,12 @@ from pathlib import Path
 
 import torch
 
-from kvarn.eval.common import (
-    add_common_arguments,
-    int_list,
-    markdown_table,
-    parse_methods,
-    positive_int,
-    progress,
-    publish,
-    result_header,
-    setup,
-)
 from kvarn.eval.engine import MODES, RunSpec
 from kvarn.eval.forward import forward_block, inference, newest_kv, override_store, quantized_cache, reference_cache
+from kvarn.eval.options import add_common_arguments, int_list, parse_methods, positive_int, result_header, setup
+from kvarn.eval.progress import progress
 from kvarn.eval.pseudo_decode import parse_modes
+from kvarn.eval.results import markdown_table, publish
 
 COMMAND = "lines"
 HELP = "line retrieval accuracy (random 10-char codes), static and cumulative"

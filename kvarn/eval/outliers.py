@@ -15,20 +15,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvarn.eval.common import (
-    add_common_arguments,
-    load_tokens,
-    markdown_table,
-    parse_methods,
-    positive_int,
-    publish,
-    result_header,
-    setup,
-    text_name,
-)
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import head_dim
+from kvarn.eval.options import add_common_arguments, parse_methods, positive_int, result_header, setup
 from kvarn.eval.patch import patched_preset
+from kvarn.eval.results import markdown_table, publish
+from kvarn.eval.text import load_tokens, text_name
 
 COMMAND = "outliers"
 HELP = "KL after fixing the worst 5% of errors vs the other 95% (cumulative mode, docs/SPEC.md §6)"

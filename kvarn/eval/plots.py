@@ -9,12 +9,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 
+
+class _Pyplot:
+    """matplotlib.pyplot (Agg), imported at first use: the analyses' discovery imports this module, and `kvarn`'s
+    other commands must not need matplotlib (the `lab` extra)."""
+
+    def __getattr__(self, name: str) -> Any:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot
+
+        return getattr(matplotlib.pyplot, name)
+
+
+plt = _Pyplot()
 DPI = 100
 STYLE = {"cumulative": "-", "static": "--"}
 

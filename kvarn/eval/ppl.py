@@ -22,20 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvarn.eval.common import (
-    add_common_arguments,
-    load_tokens,
-    markdown_table,
-    parse_methods,
-    positive_int,
-    progress,
-    publish,
-    result_header,
-    setup,
-    text_name,
-)
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
+from kvarn.eval.options import add_common_arguments, parse_methods, positive_int, result_header, setup
+from kvarn.eval.progress import progress
+from kvarn.eval.results import markdown_table, publish
+from kvarn.eval.text import load_tokens, text_name
 
 COMMAND = "ppl"
 HELP = "perplexity and KL vs full precision over sliding windows, prefilled through the quantized cache"

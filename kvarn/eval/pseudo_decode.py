@@ -6,7 +6,7 @@ method, mode and block it reports the attention-output MAE of every layer and it
 the mean next-token KL against the reference and the top-1 agreement. Summaries average over quarters
 of the blocks (Q1..Q4 of the context), and growth = MAE(cumulative) / MAE(static) per quarter.
 
-Outputs in --out: pseudo_decode.json (docs/schemas/pseudo_decode.schema.json), summary.md and plots:
+Outputs in --out: pseudo_decode.json (kvarn/eval/schemas/pseudo_decode.schema.json), summary.md and plots:
 error_vs_length.png, static_vs_cumulative.png, mae_per_layer.png, kivi_gap.png (when a KIVI-like
 method and a k2v2 KVarN are both run).
 """
@@ -18,19 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kvarn.eval.common import (
-    add_common_arguments,
-    load_tokens,
-    markdown_table,
-    parse_methods,
-    positive_int,
-    publish,
-    result_header,
-    setup,
-    text_name,
-)
 from kvarn.eval.engine import MODES, RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
+from kvarn.eval.options import add_common_arguments, parse_methods, positive_int, result_header, setup
+from kvarn.eval.results import markdown_table, publish
+from kvarn.eval.text import load_tokens, text_name
 
 COMMAND = "pseudo-decode"
 HELP = "error vs context length, static vs cumulative (docs/SPEC.md §6 pseudo-decoding)"

@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvarn.eval.common import DEFAULT_TEXT, markdown_table, provenance, write_json
+from kvarn.eval.provenance import provenance
+from kvarn.eval.results import markdown_table, write_json
+from kvarn.eval.schema import has_schema, load_schema, validate
+from kvarn.eval.text import DEFAULT_TEXT
 
 COMMAND = "report"
 HELP = "run a suite of analyses (flags or a JSON config) and write one markdown report"
@@ -87,6 +90,12 @@ def to_argv(options: dict[str, Any], parser: argparse.ArgumentParser, strict: bo
     return argv
 
 
+def analysis_parser(name: str, module: Any) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"kvarn eval {name}")
+    module.add_arguments(parser)
+    return parser
+
+
 def plan(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace, Any, list[str]]]:
     """(analysis, parsed args, module, its command line) for each analysis of the suite, in order."""
     from kvarn.eval import analyses
@@ -106,8 +115,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace, Any, l
     out = []
     for name in names:
         module = found[name]
-        parser = argparse.ArgumentParser(prog=f"kvarn eval {name}")
-        module.add_arguments(parser)
+        parser = analysis_parser(name, module)
         own = per.get(name) or {}
         argv = to_argv(common, parser, strict=False, where=name) + to_argv(own, parser, strict=True, where=name)
         argv += ["--out", str(Path(args.out) / name)]
@@ -171,12 +179,30 @@ def replot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_step(name: str, argv: list[str]) -> tuple[int, float, float]:
-    """One analysis in a worker process (`--jobs` > 1): its exit code, wall time and CPU time."""
-    from kvarn.cli import main
+def check_result(path: Path) -> None:
+    """Validate a results file against the schema of its analysis (those that have one; kvarn/eval/schemas)."""
+    if has_schema(path.stem):
+        try:
+            validate(json.loads(path.read_text()), load_schema(path.stem))
+        except ValueError as e:
+            raise ValueError(f"{path} does not match its schema: {e}") from None
 
+
+def _run_step(name: str, argv: list[str]) -> tuple[int, float, float]:
+    """One analysis in a worker process (`--jobs` > 1): its exit code (2 on bad input, as the CLI's), wall time and
+    CPU time. Parsed by the analysis's own parser, as `plan` does, so the harness needs nothing of the CLI."""
+    import sys
+
+    from kvarn.eval import analyses
+
+    module = analyses()[name]
+    parser = analysis_parser(name, module)
     t0, c0 = time.perf_counter(), time.process_time()
-    rc = main(["eval", name, *argv])
+    try:
+        rc = int(module.run(parser.parse_args(argv)) or 0)
+    except ValueError as e:
+        print(f"kvarn eval {name}: error: {e}", file=sys.stderr)
+        rc = 2
     return rc, time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -206,12 +232,15 @@ def run(args: argparse.Namespace) -> int:
                 if rc:
                     raise ValueError(f"analysis {name} failed (exit code {rc})")
     wall = time.perf_counter() - start
+    for name, *_ in steps:
+        check_result(out / name / f"{name.replace('-', '_')}.json")
     entries = [{"analysis": name, "seconds": seconds[name], "cpu_seconds": cpu[name],
                 "argv": [a for a in _argv_of(sub) if a]} for name, sub, _, _ in steps]
     prov = provenance(config=load_config(args.config), jobs=args.jobs,
                       **{k: getattr(args, k) for k in (*COMMON, "analyses")})
-    write_json(out / "report.json", {"analysis": COMMAND, "provenance": prov, "steps": entries, "jobs": args.jobs,
-                                     "total_seconds": sum(e["seconds"] for e in entries), "wall_seconds": wall})
+    check_result(write_json(out / "report.json", {
+        "analysis": COMMAND, "provenance": prov, "steps": entries, "jobs": args.jobs,
+        "total_seconds": sum(e["seconds"] for e in entries), "wall_seconds": wall}))
     md = report_markdown(entries, out, prov, wall, args.jobs)
     (out / "report.md").write_text(md)
     print(f"wrote {out / 'report.md'} ({wall:.0f} s)")

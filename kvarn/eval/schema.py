@@ -1,4 +1,5 @@
-"""A small JSON-Schema subset validator, so results files can be checked against docs/schemas/ offline.
+"""A small JSON-Schema subset validator, so results files can be checked offline against the schemas shipped with
+the package (kvarn/eval/schemas/, package data: an installed kvarn has them too).
 
 Supported keywords: type (one name or a list; "number" accepts integers, "integer" rejects booleans),
 required, properties, additionalProperties (bool or schema), items, minItems, enum, minimum, maximum,
@@ -8,10 +9,10 @@ $ref to "#/$defs/<name>". Anything else in a schema is ignored (titles, descript
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
-SCHEMA_DIR = Path(__file__).resolve().parents[2] / "docs" / "schemas"
+SCHEMAS = resources.files("kvarn.eval") / "schemas"
 
 _TYPES = {
     "object": lambda v: isinstance(v, dict),
@@ -25,11 +26,15 @@ _TYPES = {
 
 
 def load_schema(name: str) -> dict:
-    """docs/schemas/<name>.schema.json of the source checkout."""
-    path = SCHEMA_DIR / f"{name}.schema.json"
-    if not path.exists():
-        raise ValueError(f"no schema {path}")
-    return json.loads(path.read_text())
+    """kvarn/eval/schemas/<name>.schema.json, read as package data."""
+    path = SCHEMAS / f"{name}.schema.json"
+    if not path.is_file():
+        raise ValueError(f"no schema {name!r} in {SCHEMAS}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def has_schema(name: str) -> bool:
+    return (SCHEMAS / f"{name}.schema.json").is_file()
 
 
 def validate(value: Any, schema: dict, root: dict | None = None, path: str = "$") -> None:

@@ -247,7 +247,7 @@ def test_bad_inputs():
 def test_real_activations(real_model, monkeypatch, seed):
     """Queries, fresh K/V, stored past and masks captured from the real model running the kvarn preset under
     attn_implementation "kvarn" (a 128-token sink, tiles, a tail, a 7-token chunk, then a decode step)."""
-    from kvarn.eval.common import load_tokens
+    from kvarn.eval.text import load_tokens
     from kvarn.integrations.transformers import KVarNCache
 
     model, tok = real_model

@@ -1,5 +1,5 @@
 """`kvarn bench`: end to end on a tiny model and tiny shapes (no timing assertions), the JSON checked against
-docs/schemas/bench.schema.json; the bench's own shortcuts and accounting checked exactly."""
+kvarn/eval/schemas/bench.schema.json; the bench's own shortcuts and accounting checked exactly."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_bench_sections_tiny_in_process(tiny, tmp_path):
     """The default suite's end-to-end check: attention, e2e and store through the CLI on tiny shapes, the memory
     figures of one cache measured in this process (the `all` test above spawns a process per cache)."""
     from kvarn.bench.footprint import measure_one
-    from kvarn.eval.common import load_tokens
+    from kvarn.eval.text import load_tokens
     from kvarn.models import load_model
 
     folder, text = tiny
@@ -117,7 +117,7 @@ def test_bench_vllm_without_vllm_names_the_fix(monkeypatch, capsys):
 def test_bench_vllm_table_and_schema():
     """The vllm section's table renders from its JSON, which the bench schema accepts."""
     from kvarn.bench.report import tables
-    from kvarn.eval.common import provenance
+    from kvarn.eval.provenance import provenance
 
     row = {"engine": "stock", "tokens_per_s": 10.0, "requests_per_s": 0.1, "tokens_per_s_vs_stock": 1.0,
            "kv_tokens": 100, "kv_tokens_vs_stock": 1.0, "wall_s": 80.0, "start_s": 40.0}

@@ -1,5 +1,5 @@
 """`kvarn eval <analysis>` end to end on a tiny random model (with the real tokenizer) and a random text:
-exit codes, JSON files checked against docs/schemas, summaries, plots, determinism, clean errors."""
+exit codes, JSON files checked against kvarn/eval/schemas, summaries, plots, determinism, clean errors."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def plain_decode_kl(folder: str, text: str, preset: str, n: int, sink: int,
     p = softmax(reference logits), in float64."""
     from transformers import DynamicCache
 
-    from kvarn.eval.common import load_tokens
+    from kvarn.eval.text import load_tokens
     from kvarn.integrations.transformers import KVarNCache
     from kvarn.models import load_model
 

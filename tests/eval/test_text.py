@@ -8,7 +8,7 @@ from pydoc_data.topics import topics
 import pytest
 import torch
 
-from kvarn.eval.common import DEFAULT_TEXT, default_text, load_tokens, text_name
+from kvarn.eval.text import DEFAULT_TEXT, default_text, load_tokens, text_name
 
 
 def test_default_text_is_the_topics_in_sorted_key_order():

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.model,
 
 @pytest.fixture(scope="module")
 def text_ids(real_model):
-    from kvarn.eval.common import load_tokens
+    from kvarn.eval.text import load_tokens
 
     return load_tokens(real_model[1], None, 400)
 

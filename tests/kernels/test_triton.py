@@ -299,18 +299,19 @@ def test_kernels_compile_for_cuda():
 
 # -- the prepared GPU check ----------------------------------------------------------------------------------------
 def test_gpu_check_smoke_runs_on_the_interpreter(tmp_path):
-    """benchmarks/gpu_check.py --smoke: every section of the prepared GPU check (correctness vs float64, decode and
-    store timing) on tiny shapes through the CPU interpreter, so the script a lent GPU will run is not first run
+    """python -m kvarn.bench.gpu_check --smoke: every section of the prepared GPU check (correctness vs float64, decode
+    and store timing) on tiny shapes through the CPU interpreter, so the script a lent GPU will run is not first run
     there. Timings on the interpreter mean nothing; only that it ran and found no failure."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    root = Path(__file__).resolve().parents[2]  # the checkout's kvarn, whatever the venv installed
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    run = subprocess.run([sys.executable, "-m", "kvarn.bench.gpu_check", "--smoke", "--out", str(tmp_path)], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "0 failures/errors" in run.stdout, run.stdout[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -269,7 +269,7 @@ def test_policy_on_real_smollm2_activations(real_model, seed):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kvarn.eval.common import load_tokens
+    from kvarn.eval.text import load_tokens
 
     model, tok = real_model
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

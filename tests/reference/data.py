@@ -19,7 +19,7 @@ def heavy_tailed(*shape: int, generator: torch.Generator | None = None, df: int 
 
 @functools.lru_cache(maxsize=2)
 def _real_kv(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from kvarn.eval.common import load_tokens
+    from kvarn.eval.text import load_tokens
     from kvarn.models import load_model
 
     model, tok = load_model("default")

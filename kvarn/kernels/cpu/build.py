@@ -20,6 +20,8 @@ from types import ModuleType
 
 import torch
 
+from kvarn.paths import cache_dir
+
 SOURCES = [Path(__file__).with_name(n) for n in ("decode.cpp", "store.cpp", "module.cpp")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 
@@ -62,8 +64,6 @@ def _machine_tag() -> str:
 
 
 def build_dir() -> Path:
-    from kvarn.models import cache_dir
-
     return cache_dir() / "torch_extensions" / _machine_tag()
 
 

@@ -4,7 +4,7 @@ One server, several checks (each engine start costs about a minute on 2 cores):
   * it answers a chat completion;
   * prompts that cross several blocks give the same greedy tokens sent one at a time as sent together (continuous
     batching; the second round meets the first round's prefix-cache blocks), up to a near-tie: vLLM's own bf16
-    kernels are not batch-invariant on the CPU (`benchmarks/vllm_batch_variance.py stock`: the chosen tokens'
+    kernels are not batch-invariant on the CPU (`python -m kvarn.bench.vllm_batch_variance stock`: the chosen tokens'
     logprobs moved by up to 0.13 nats between one batched and four single-request runs, tokens equal), so a step
     whose top two logprobs lie within TIE = 0.3 nats (twice that, and margin) in either run may go either way.
     Before the first divergence every token must be equal, the divergence must be such a near-tie, and most prompts

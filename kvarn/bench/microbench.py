@@ -1,7 +1,7 @@
 """Micro-benchmarks of the CPU kernels over one layer (not tests; `kvarn bench attention|store` are the tools).
 
-    python -m kvarn.kernels.cpu.microbench [--contexts 1024 8192] [--threads 1 2] [--repeats 15]
-    python -m kvarn.kernels.cpu.microbench --store [--calls 300]
+    python -m kvarn.bench.microbench [--contexts 1024 8192] [--threads 1 2] [--repeats 15]
+    python -m kvarn.bench.microbench --store [--calls 300]
 
 --store: the tile-store kernel alone, one layer of the embedded model (3 KV heads: bf16 tiles [3, 128, 64] of keys,
 then of values) for kvarn-k2v2-g128 and kvarn-auto-k2v2-g128, on one thread, CPU time per call (`time.thread_time`,

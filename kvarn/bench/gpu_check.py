@@ -1,7 +1,8 @@
 """One prepared GPU check of the Triton kernels (kvarn.kernels.triton): correctness on real-size shapes, then timing.
 
-    bash benchmarks/gpu_check.sh                    # on a CUDA machine (writes $OUT/gpu_check.{json,md})
-    TRITON_INTERPRET=1 python benchmarks/gpu_check.py --smoke --out /tmp/gc   # the same steps, tiny, on the CPU
+    bash kvarn/bench/gpu_check.sh                   # on a CUDA machine (writes $OUT/gpu_check.{json,md})
+    python -m kvarn.bench.gpu_check --out DIR       # the check alone (what the shell wrapper runs)
+    TRITON_INTERPRET=1 python -m kvarn.bench.gpu_check --smoke --out /tmp/gc   # the same steps, tiny, on the CPU
 
 Steps (each guarded: a failure is printed and recorded, the next step still runs):
   1. decode correctness: paged_decode over a pool read through a permuted block table (batch rows of different
@@ -292,7 +293,7 @@ def write() -> None:
     out = OUT[0]
     (out / "gpu_check.json").write_text(json.dumps(RESULTS, indent=2))
     lines = ["# kvarn Triton GPU check", "", f"Environment: {RESULTS.get('env')}", "",
-             "Command: `bash benchmarks/gpu_check.sh`", ""]
+             "Command: `bash kvarn/bench/gpu_check.sh`", ""]
     if RESULTS.get("env", {}).get("smoke"):
         lines += ["**Smoke run on the CPU interpreter: the timings measure the interpreter, not the kernels.**", ""]
     lines += ["## Correctness", "", "| check | ok | details |",

@@ -1,6 +1,6 @@
 """How far vLLM's greedy logprobs move between a batched run and single requests (not a test; run in .venv-vllm).
 
-    .venv-vllm/bin/python benchmarks/vllm_batch_variance.py stock|kvarn
+    .venv-vllm/bin/python -m kvarn.bench.vllm_batch_variance stock|kvarn   # from the checkout: it reads tests/integrations/vllm
 
 The four prompts of the engine tests (tests/integrations/vllm/engine_common.py), 32 greedy tokens each, offline
 `LLM` with the engine tests' settings (bf16, 1 GiB KV, no prefix caching): all four in one `generate`, then each
@@ -16,13 +16,12 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations" / "vllm"))
-
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integrations" / "vllm"))  # engine tests
     which = sys.argv[1] if len(sys.argv) > 1 else "stock"
     if which not in ("stock", "kvarn"):
-        raise SystemExit("usage: vllm_batch_variance.py stock|kvarn")
+        raise SystemExit("usage: python -m kvarn.bench.vllm_batch_variance stock|kvarn")
     from engine_common import ENV
 
     os.environ.update(ENV)

@@ -4,5 +4,5 @@
 # figure is a ratio measured side by side, but other load still adds noise). The text around the block is kept.
 # Replaces benchmarks/decode_speed.py (now `kvarn bench e2e`) and benchmarks/policy_cost.py (`kvarn bench store`).
 set -e
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ${PYTHON:-.venv/bin/python} -m kvarn.cli bench all --json docs/bench.json --plots docs/img --markdown docs/BENCHMARKS.md "$@"

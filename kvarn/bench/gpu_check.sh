@@ -4,9 +4,9 @@
 # Installs nothing: needs python with torch (CUDA) and triton; kvarn is this checkout (PYTHONPATH, no install;
 # kvarn.kernels.triton needs only torch + triton). Writes $OUT/gpu_check.{json,md,log} ($OUT defaults to
 # ./gpu_check_out). Exit status: 0 all checks pass, 1 a check failed, 2 the environment is not usable.
-#   bash benchmarks/gpu_check.sh [--contexts 4096,8192] [--batches 1]
+#   bash kvarn/bench/gpu_check.sh [--contexts 4096,8192] [--batches 1]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
@@ -32,8 +32,8 @@ PY
 status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ]; then echo "environment not usable (see above)" | tee -a "$LOG"; exit 2; fi
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}" \
-  timeout "${GPU_CHECK_TIMEOUT:-540}" "$PY" benchmarks/gpu_check.py --out "$OUT" "$@" 2>&1 | tee -a "$LOG"
+  timeout "${GPU_CHECK_TIMEOUT:-540}" "$PY" -m kvarn.bench.gpu_check --out "$OUT" "$@" 2>&1 | tee -a "$LOG"
 status=${PIPESTATUS[0]}
-[ "$status" -eq 124 ] && echo "gpu_check.py timed out; partial results (if any) in $OUT" | tee -a "$LOG"
+[ "$status" -eq 124 ] && echo "kvarn.bench.gpu_check timed out; partial results (if any) in $OUT" | tee -a "$LOG"
 echo "== exit $status; results: $OUT/gpu_check.md" | tee -a "$LOG"
 exit "$status"

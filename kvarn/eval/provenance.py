@@ -1,0 +1,48 @@
+"""What a results file records besides the results: config, versions, git revision, machine, time."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def git_revision() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; else what platform knows): timings differ between machines of one kind."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")) and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def provenance(**config: Any) -> dict[str, Any]:
+    """What a results file records besides the results: config, versions, revision, machine, time."""
+    import transformers
+
+    import kvarn
+
+    return {
+        "config": config,
+        "kvarn": kvarn.__version__,
+        "git": git_revision(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {cpu_model()} threads={torch.get_num_threads()}",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
