@@ -1,6 +1,6 @@
 """How far vLLM's greedy logprobs move between a batched run and single requests (not a test; run in .venv-vllm).
 
-    .venv-vllm/bin/python -m kvarn.bench.vllm_batch_variance stock|kvarn   # from the checkout: it reads tests/integrations/vllm
+    .venv-vllm/bin/python -m kvarn.bench.vllm_batch_variance stock|kvarn   # from the checkout (reads its tests)
 
 The four prompts of the engine tests (tests/integrations/vllm/engine_common.py), 32 greedy tokens each, offline
 `LLM` with the engine tests' settings (bf16, 1 GiB KV, no prefix caching): all four in one `generate`, then each
