@@ -40,18 +40,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:kvarn. key tiles stored before a
 def dequant_affine_f64(view: StoredKV) -> torch.Tensor:
     """[B, H, n*G, D] float64 reconstruction of packed tiles of an AffineQuantizer (SPEC §3 step 5)."""
     cfg = view.quantizer.config
-    f = view.packed.fields
-    codes = unpack_tensor(f["codes"], cfg.bits).double()  # [B, H, n, R, C]
-    x = codes * f["row_scale"].double().unsqueeze(-1) + f["row_zero"].double().unsqueeze(-1)
-    if "col_scale" in f:
-        x = x * f["col_scale"].double().unsqueeze(-2)
+    f = view.packed
+    codes = unpack_tensor(f.codes, cfg.bits).double()  # [B, H, n, R, C]
+    x = codes * f.row_scale.double().unsqueeze(-1) + f.row_zero.double().unsqueeze(-1)
+    if f.col_scale is not None:
+        x = x * f.col_scale.double().unsqueeze(-2)
     if cfg.axis == "channel":
         x = x.transpose(-1, -2)  # token-major [B, H, n, G, D]
     h = hadamard_reference(x.shape[-1])
     if cfg.rotate == "hadamard":
         x = x @ h
     elif cfg.rotate == "auto":
-        x = torch.where(f["rotated"].bool()[..., None, None], x @ h, x)
+        x = torch.where(f.rotated.bool()[..., None, None], x @ h, x)
     b, hh, n, g, d = x.shape
     if view.exact_values is not None:
         for (bi, hi, ti), v in zip(view.exact_index.tolist(), view.exact_values):
@@ -174,7 +174,7 @@ def test_auto_rotation_mixed_flags(seed):
     k = torch.cat([outliers, heavy], dim=1)
     v = make_inputs("heavy", 1, 2, t, d, gen)
     past = build_past("kvarn-auto-k2v2-g64", k, v, sink=8)
-    flags = past.keys.packed["rotated"].bool()
+    flags = past.keys.packed.rotated.bool()
     assert flags.any() and not flags.all(), flags  # both kinds of tiles are present
     q = make_inputs("heavy", 1, 6, 2, d, gen)
     check(q, torch.randn(1, 2, 2, d, generator=gen), torch.randn(1, 2, 2, d, generator=gen), past,

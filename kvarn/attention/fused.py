@@ -20,7 +20,6 @@ from kvarn.kernels.cpu import decode as kernel
 from kvarn.kernels.cpu.build import error, mode  # mode: also read by integrations.vllm.paged as fused.mode
 from kvarn.kernels.cpu.build import take as take_kernel
 from kvarn.quant.affine import AffineQuantizer
-from kvarn.quant.base import Packed
 
 MAX_QUERIES = 16  # queries per head; longer chunks (prefill) take the matmul-based PyTorch path
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,14 +72,12 @@ def take(why: str | None) -> bool:
 
 
 def _tiles(view: StoredKV) -> kernel.PackedTiles:
-    c = view.quantizer.config
-    return kernel.PackedTiles.cache(view.packed.fields, c.bits, c.rotate)
+    return kernel.PackedTiles.cache(view.packed)
 
 
 def _decoded(view: StoredKV, idx: torch.Tensor) -> torch.Tensor:
     """Tiles (b, h, j) of idx [k, 3] as attention sees them, float32 [k, G, D] (exact copies where kept exact)."""
-    f = view.packed.fields
-    x = view.quantizer.decode(Packed({k: v[idx[:, 0], idx[:, 1], idx[:, 2]] for k, v in f.items()}), torch.float32)
+    x = view.quantizer.decode(view.packed.select((idx[:, 0], idx[:, 1], idx[:, 2])), torch.float32)
     if len(view.exact_index):
         hit = (idx.unsqueeze(1) == view.exact_index.to(idx.device).unsqueeze(0)).all(-1)  # [k, n_exact]
         row, col = hit.nonzero(as_tuple=True)

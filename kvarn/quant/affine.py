@@ -16,21 +16,21 @@ Reconstruction: X^[r, c] = (q[r, c] * a_r + z_r) * t_c, transposed back, then @ 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from kvarn.kernels.cpu import store as store_kernel
-from kvarn.kernels.cpu.build import mode as kernel_mode
-from kvarn.kernels.cpu.build import take as take_kernel
+from kvarn.ops.codes import DTYPE_CODES, Rotation
 from kvarn.ops.hadamard import hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
 from kvarn.ops.varn import DEFAULT_ITERS, varn
-from kvarn.quant.base import Packed, TileQuantizer, check_tiles
-from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy
+from kvarn.quant.base import TileQuantizer, check_tiles
+from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy, kernel_weighted
+from kvarn.quant.tiles import AffineFormat, AffineTiles
 
 Axis = Literal["channel", "token"]
 Rotate = Literal["none", "hadamard", "auto"]
@@ -45,7 +45,7 @@ def zero_dtype(scale_dtype: torch.dtype) -> torch.dtype:
 def store_scale(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast a scale vector to its storage dtype. fp16 overflows to inf, but 8-bit floats (e4m3fn has no
     inf) saturate silently on the cast, so out-of-range values become NaN first: either way the tile is
-    reported by `Packed.finite_tiles` and the cache keeps it exact."""
+    reported by `Tiles.finite_tiles` and the cache keeps it exact."""
     if dtype.itemsize == 1 and dtype.is_floating_point:
         v = torch.where(v.abs() <= torch.finfo(dtype).max, v, torch.full_like(v, float("nan")))
     return v.to(dtype)
@@ -82,6 +82,8 @@ class AffineConfig:
 class AffineQuantizer(TileQuantizer):
     """RTN per row with optional rotation and VarN; `axis` picks the rows (keys: channel, values: token)."""
 
+    tiles_type = AffineTiles
+
     def __init__(self, config: AffineConfig, policy: str | RotationPolicy = DEFAULT_POLICY) -> None:
         check_bits(config.bits)
         if config.axis not in ("channel", "token"):
@@ -94,6 +96,25 @@ class AffineQuantizer(TileQuantizer):
         parts = ["rot" if config.rotate == "hadamard" else config.rotate if config.rotate == "auto" else "",
                  "varn" if config.varn else "", f"rtn{config.bits}", config.axis]
         self.name = "-".join(p for p in parts if p)
+        self._formats: dict[int, AffineFormat] = {}
+
+    def format(self, head_dim: int) -> AffineFormat:
+        """The packed layout of this quantizer's tiles of head_dim D (`kvarn.quant.tiles.AffineFormat`)."""
+        f = self._formats.get(head_dim)
+        if f is None:
+            c = self.config
+            f = self._formats[head_dim] = AffineFormat(
+                c.bits, c.axis, c.rotate, c.tile, head_dim, c.scale_dtype, zero_dtype(c.scale_dtype),
+                (c.col_scale_dtype or c.scale_dtype) if c.varn else None)
+        return f
+
+    def template(self, head_dim: int) -> AffineTiles:
+        return AffineTiles.template_of(self.format(head_dim))
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Stored bits per element of one tile, from the computed layout (no encode: equal to the measured
+        `TileQuantizer.bits_per_element`, which tests check)."""
+        return self.format(head_dim).nbytes * 8 / (self.tile * head_dim)
 
     # layout helpers: token-major [N, G, D] <-> rows x cols
     def _to_rows(self, w: torch.Tensor) -> torch.Tensor:
@@ -102,7 +123,7 @@ class AffineQuantizer(TileQuantizer):
     def _from_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(-1, -2) if self.config.axis == "channel" else x
 
-    def _encode_rows(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _encode_rows(self, x: torch.Tensor, fmt: AffineFormat) -> AffineTiles:
         c = self.config
         col_dtype = c.col_scale_dtype or c.scale_dtype
         if c.varn:
@@ -115,16 +136,14 @@ class AffineQuantizer(TileQuantizer):
         delta, lo = delta.squeeze(-1), lo.squeeze(-1)
         if s_row is not None:
             delta, lo = delta * s_row, lo * s_row
-        out = {"codes": pack_codes(q, c.bits), "row_scale": store_scale(delta, c.scale_dtype),
-               "row_zero": store_scale(lo, zero_dtype(c.scale_dtype))}
-        if s_col is not None:
-            out["col_scale"] = store_scale(s_col, col_dtype)
-        return out
+        return AffineTiles(pack_codes(q, c.bits), store_scale(delta, c.scale_dtype),
+                           store_scale(lo, zero_dtype(c.scale_dtype)),
+                           store_scale(s_col, col_dtype) if s_col is not None else None, fmt=fmt)
 
-    def _decode_rows(self, p: Packed) -> torch.Tensor:
-        q = unpack_codes(p["codes"], self.config.bits).float()
-        x = q * p["row_scale"].float().unsqueeze(-1) + p["row_zero"].float().unsqueeze(-1)
-        col = p.get("col_scale")
+    def _decode_rows(self, p: AffineTiles) -> torch.Tensor:
+        q = unpack_codes(p.codes, self.config.bits).float()
+        x = q * p.row_scale.float().unsqueeze(-1) + p.row_zero.float().unsqueeze(-1)
+        col = p.col_scale
         return x * col.float().unsqueeze(-2) if col is not None else x
 
     @property
@@ -132,25 +151,44 @@ class AffineQuantizer(TileQuantizer):
         """encode() uses a per-channel weight (running query energy) to choose the rotation."""
         return self.config.rotate == "auto"
 
-    def encode(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Packed:
-        """x [N, G, D] -> Packed. weight [N, D] (rotate="auto" only): per-channel weight of the policy's error,
+    def encode(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
+        """x [N, G, D] -> AffineTiles. weight [N, D] (rotate="auto" only): per-channel weight of the policy's error,
         the running query energy E[q_d^2] of the tile's KV head (`kvarn.quant.policy`); None = all ones.
 
         The fused CPU kernel (`kvarn.kernels.cpu.store`) serves what it supports; everything else, and every call
         when KVARN_KERNEL=torch, takes `encode_reference`. KVARN_KERNEL=cpu refuses to fall back (an error says why)."""
         self._check(x, weight, True)
         if self._kernel(x):
-            return Packed(store_kernel.store_tiles(self, x, weight)[0])
+            return self.encode_kernel(x, weight)[0]
         return self.encode_reference(x, weight)
 
     def encode_tiles(self, x: torch.Tensor, weight: torch.Tensor | None = None
-                     ) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+                     ) -> tuple[AffineTiles, torch.Tensor, torch.Tensor]:
         """`TileQuantizer.encode_tiles`; the kernel checks finiteness itself (no extra passes over x)."""
         self._check(x, weight, False)
         if self._kernel(x):
-            fields, finite_in, finite_out = store_kernel.store_tiles(self, x, weight)
-            return Packed(fields), finite_in, finite_out
+            return self.encode_kernel(x, weight)
         return super().encode_tiles(x, weight)
+
+    def encode_kernel(self, x: torch.Tensor, weight: torch.Tensor | None = None
+                      ) -> tuple[AffineTiles, torch.Tensor, torch.Tensor]:
+        """The fused store kernel (`kvarn.kernels.cpu.store`) on checked tiles x [N, G, D], given tensors and plain
+        parameters only -> (tiles, input_finite, fields_finite) as `encode_tiles`. For tests and benches; `encode`
+        takes it where it applies."""
+        from kvarn.kernels.cpu import store as store_kernel
+
+        c, fmt = self.config, self.format(x.shape[2])
+        w = weight if c.rotate == "auto" and kernel_weighted(self.policy) else None
+        codes, a, z, t, rot, finite_in, finite_out = store_kernel.store_tiles(
+            x, w, c.bits, c.axis == "channel", int(Rotation.of(c.rotate)), c.varn, c.varn_iters,
+            DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(fmt.col_dtype, 0), self._relative)
+        return AffineTiles(codes, a, z, t, rot, fmt=fmt), finite_in, finite_out
+
+    @property
+    def _relative(self) -> bool:
+        """VarN column scales stored relative to their maximum (`relative_col_scales`)."""
+        c = self.config
+        return c.varn and c.col_scale_dtype is not None and c.col_scale_dtype.itemsize == 1
 
     def _check(self, x: torch.Tensor, weight: torch.Tensor | None, finite: bool) -> None:
         check_tiles(x, self.tile, finite=finite)
@@ -159,39 +197,47 @@ class AffineQuantizer(TileQuantizer):
 
     def _kernel(self, x: torch.Tensor) -> bool:
         """Whether the fused store kernel encodes x (KVARN_KERNEL: torch never; cpu always, or an error says why)."""
+        from kvarn.kernels.cpu import store as store_kernel
+        from kvarn.kernels.cpu.build import mode as kernel_mode
+        from kvarn.kernels.cpu.build import take as take_kernel
+
         # torch is checked first so that the reference path never even builds the extension
         if kernel_mode() == "torch":
             return False
-        why = store_kernel.unsupported(self, x)
+        c = self.config
+        why = store_kernel.unsupported(x, c.bits, c.axis == "channel", c.varn, c.varn_iters, c.scale_dtype,
+                                       self.format(x.shape[2]).col_dtype,
+                                       c.rotate != "auto" or kernel_weighted(self.policy) is not None,
+                                       getattr(self.policy, "__name__", self.policy))
         return why is None or take_kernel(why, f"the fused store kernel cannot encode {self.name}")
 
-    def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Packed:
+    def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
         """The PyTorch path of `encode` (the oracle of the kernel), for checked tiles x [N, G, D]."""
-        w = x.float()
+        w, fmt = x.float(), self.format(x.shape[2])
         if self.config.rotate == "none":
-            return Packed(self._encode_rows(self._to_rows(w)))
-        rot = self._encode_rows(self._to_rows(hadamard_transform(w)))
+            return self._encode_rows(self._to_rows(w), fmt)
+        rot = self._encode_rows(self._to_rows(hadamard_transform(w)), fmt)
         if self.config.rotate == "hadamard":
-            return Packed(rot)
-        plain = self._encode_rows(self._to_rows(w))
-        x_rot = hadamard_transform(self._from_rows(self._decode_rows(Packed(rot))))
-        x_plain = self._from_rows(self._decode_rows(Packed(plain)))
+            return rot
+        plain = self._encode_rows(self._to_rows(w), fmt)
+        x_rot = hadamard_transform(self._from_rows(self._decode_rows(rot)))
+        x_plain = self._from_rows(self._decode_rows(plain))
         keep = self.policy(w, x_rot, x_plain, weight).to(x.device)
-        fields = {k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, plain[k]) for k, v in rot.items()}
-        fields["rotated"] = keep.to(torch.uint8)
-        return Packed(fields)
+        other = plain.tensors()
+        chosen = rot.with_tensors({k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, other[k])
+                                   for k, v in rot.items()})
+        return dataclasses.replace(chosen, rotated=keep.to(torch.uint8))
 
-    def rotated_mask(self, packed: Packed) -> torch.Tensor | None:
+    def rotated_mask(self, packed: AffineTiles) -> torch.Tensor | None:
         """[N] bool of rotated tiles, or None when all tiles share the configured rotation."""
-        flag = packed.get("rotated")
-        return flag.bool() if flag is not None else None
+        return packed.rotated_mask()
 
-    def decode(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def decode(self, packed: AffineTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         x = self._from_rows(self._decode_rows(packed))
         if self.config.rotate == "hadamard":
             x = hadamard_transform(x)
         elif self.config.rotate == "auto":
-            rot = packed["rotated"].bool()
+            rot = packed.rotated.bool()
             if rot.any():
                 x = torch.where(rot.view(-1, 1, 1), hadamard_transform(x), x)
         return x.to(dtype)
