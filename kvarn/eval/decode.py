@@ -13,7 +13,7 @@ Summaries: mean KL over all positions, mean KL over the last `--last` (256) posi
 bits per element of the quantized region (from stored bytes) and of the whole cache at the end (sink and tail
 included). With sink S = 128 and tiles G = 128 the first tile is quantized after position S + G - 1, so KL is 0
 before it. For presets that choose a rotation per tile (`kvarn-auto-*`), the share of rotated key (and value)
-tiles per layer and KV head, read from the stored flags (`packed["rotated"]`).
+tiles per layer and KV head, read from the stored flags (`AffineTiles.rotated`).
 
 Outputs in --out: decode.json (or --json FILE; schema docs/schemas/decode.schema.json), summary.md, and
 kl_vs_position.png.
@@ -65,7 +65,7 @@ def rotation_shares(cache) -> dict:
         per_layer, any_flags = [], False
         for layer in cache.layers:
             store = getattr(getattr(layer, "store", None), kind, None)
-            flags = store.packed.get("rotated") if store is not None and store.n_tiles else None  # [B, H, n]
+            flags = getattr(store.packed, "rotated", None) if store is not None and store.n_tiles else None  # [B, H, n]
             if flags is None:
                 per_layer.append(None)
                 continue

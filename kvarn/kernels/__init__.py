@@ -1,7 +1,9 @@
-"""Fused kernels over the packed cache. `decode_attention` is the CPU decode attention (kvarn.kernels.cpu.decode)."""
+"""Fused kernels over the packed cache, registered behind the op seats (`kvarn.ops.seats`) on import.
+`decode_attention` is the CPU decode attention (kvarn.kernels.cpu.decode)."""
 
 from __future__ import annotations
 
+from kvarn.kernels.cpu import register as _cpu  # noqa: F401 (registers the C++ kernels for CPU)
 from kvarn.kernels.cpu.decode import PackedTiles, available, decode_attention, decode_partial
 
 __all__ = ["PackedTiles", "available", "decode_attention", "decode_partial"]

@@ -23,15 +23,18 @@ from typing import Literal
 
 import torch
 
-from kvarn.ops.codes import DTYPE_CODES, Rotation
+from kvarn.ops.codes import CODE_DTYPES, DTYPE_CODES, Rotation
+from kvarn.ops.dispatch import use_kernel
 from kvarn.ops.hadamard import hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
+from kvarn.ops.seats import supported
 from kvarn.ops.varn import DEFAULT_ITERS, varn
 from kvarn.quant.base import TileQuantizer, check_tiles
 from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy, kernel_weighted
 from kvarn.quant.tiles import AffineFormat, AffineTiles
 
+STORE_SEAT = torch.ops.kvarn.tile_store.default  # the op seat (kvarn.ops.seats); the C++ kernel serves CPU tiles
 Axis = Literal["channel", "token"]
 Rotate = Literal["none", "hadamard", "auto"]
 
@@ -172,17 +175,16 @@ class AffineQuantizer(TileQuantizer):
 
     def encode_kernel(self, x: torch.Tensor, weight: torch.Tensor | None = None
                       ) -> tuple[AffineTiles, torch.Tensor, torch.Tensor]:
-        """The fused store kernel (`kvarn.kernels.cpu.store`) on checked tiles x [N, G, D], given tensors and plain
-        parameters only -> (tiles, input_finite, fields_finite) as `encode_tiles`. For tests and benches; `encode`
-        takes it where it applies."""
-        from kvarn.kernels.cpu import store as store_kernel
-
+        """The tile store seat (`torch.ops.kvarn.tile_store`: the fused kernel registered for x's device) on checked
+        tiles x [N, G, D], given tensors and plain parameters only -> (tiles, input_finite, fields_finite) as
+        `encode_tiles`. For tests and benches; `encode` takes it where it applies (`_kernel`)."""
         c, fmt = self.config, self.format(x.shape[2])
         w = weight if c.rotate == "auto" and kernel_weighted(self.policy) else None
-        codes, a, z, t, rot, finite_in, finite_out = store_kernel.store_tiles(
-            x, w, c.bits, c.axis == "channel", int(Rotation.of(c.rotate)), c.varn, c.varn_iters,
+        codes, a, z, t, rot, finite_in, finite_out = STORE_SEAT(
+            x, w, c.bits, c.axis == "channel", fmt.rotation, c.varn, c.varn_iters,
             DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(fmt.col_dtype, 0), self._relative)
-        return AffineTiles(codes, a, z, t, rot, fmt=fmt), finite_in, finite_out
+        return AffineTiles(codes, a, z, t if c.varn else None, rot if c.rotate == "auto" else None,
+                           fmt=fmt), finite_in, finite_out
 
     @property
     def _relative(self) -> bool:
@@ -196,20 +198,17 @@ class AffineQuantizer(TileQuantizer):
             raise ValueError(f"weight must be [N, D] = {(x.shape[0], x.shape[2])}, got {tuple(weight.shape)}")
 
     def _kernel(self, x: torch.Tensor) -> bool:
-        """Whether the fused store kernel encodes x (KVARN_KERNEL: torch never; cpu always, or an error says why)."""
-        from kvarn.kernels.cpu import store as store_kernel
-        from kvarn.kernels.cpu.build import mode as kernel_mode
-        from kvarn.kernels.cpu.build import take as take_kernel
-
-        # torch is checked first so that the reference path never even builds the extension
-        if kernel_mode() == "torch":
-            return False
+        """Whether the fused store kernel encodes x (`kvarn.ops.dispatch`, KVARN_KERNEL: torch never, cpu always or an
+        error says why); the kernel registered for x's device names why it cannot (`kvarn.ops.seats.supported`)."""
         c = self.config
-        why = store_kernel.unsupported(x, c.bits, c.axis == "channel", c.varn, c.varn_iters, c.scale_dtype,
-                                       self.format(x.shape[2]).col_dtype,
-                                       c.rotate != "auto" or kernel_weighted(self.policy) is not None,
-                                       getattr(self.policy, "__name__", self.policy))
-        return why is None or take_kernel(why, f"the fused store kernel cannot encode {self.name}")
+
+        def why() -> str | None:
+            return supported("tile_store", x.device, x, c.bits, c.axis == "channel", c.varn, c.varn_iters,
+                             c.scale_dtype, self.format(x.shape[2]).col_dtype,
+                             c.rotate != "auto" or kernel_weighted(self.policy) is not None,
+                             getattr(self.policy, "__name__", self.policy))
+
+        return use_kernel(why, f"the fused store kernel cannot encode {self.name}")
 
     def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
         """The PyTorch path of `encode` (the oracle of the kernel), for checked tiles x [N, G, D]."""
@@ -247,3 +246,23 @@ class AffineQuantizer(TileQuantizer):
         return {"name": self.name, "tile": c.tile, "bits": c.bits, "axis": c.axis, "rotate": c.rotate,
                 "varn": c.varn, "varn_iters": c.varn_iters, "scale_dtype": str(c.scale_dtype).removeprefix("torch."),
                 **({"col_scale_dtype": str(c.col_scale_dtype).removeprefix("torch.")} if c.col_scale_dtype else {})}
+
+
+def tile_store_reference(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel: bool, rotate: int,
+                         varn: bool, varn_iters: int, scale_dtype: int, col_dtype: int, relative: bool
+                         ) -> tuple[torch.Tensor, ...]:
+    """The default of the tile store seat: `encode_reference` of the quantizer these parameters describe (policy
+    query with a weight, mse without), non-finite tiles encoded as zeros (`TileQuantizer.encode_tiles`); absent
+    outputs (no VarN: col_scale; rotate != auto: rotated) are empty tensors of x's dtype, as the kernel's."""
+    sd, cd = CODE_DTYPES[scale_dtype], CODE_DTYPES[col_dtype]
+    cfg = AffineConfig(bits, "channel" if channel else "token", Rotation(rotate).name.lower(), varn, varn_iters,
+                       x.shape[1], sd, cd if varn and (relative or cd != sd) else None)
+    q = AffineQuantizer(cfg, "query" if weight is not None else "mse")
+    finite = torch.isfinite(x).flatten(1).all(dim=1)
+    x = torch.where(finite.view(-1, 1, 1), x, torch.zeros_like(x))
+    p = q.encode_reference(x, weight)
+    return (p.codes, p.row_scale, p.row_zero, x.new_empty(0) if p.col_scale is None else p.col_scale,
+            x.new_empty(0) if p.rotated is None else p.rotated, finite, p.finite_tiles().to(finite.device))
+
+
+torch.library.impl("kvarn::tile_store", "CompositeExplicitAutograd", tile_store_reference)

@@ -15,6 +15,7 @@ and save/load all read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -191,8 +192,8 @@ class AffineFormat:
     def cols(self) -> int:
         return self.tile if self.axis == "channel" else self.head_dim
 
-    @property
-    def rotation(self) -> Rotation:
+    @functools.cached_property
+    def rotation(self) -> Rotation:  # cached: read on every decode step
         return Rotation.of(self.rotate)
 
     @property

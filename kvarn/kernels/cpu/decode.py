@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kvarn.ops.seats  # noqa: F401 (declares torch.ops.kvarn.packed_decode)
 from kvarn.kernels.cpu.build import load
-from kvarn.ops.codes import Rotation
 from kvarn.ops.hadamard import hadamard_dense
 from kvarn.quant.tiles import AffineTiles
 
@@ -41,6 +41,7 @@ KERNEL_BITS = (1, 2, 4, 8)
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 DENSE_DTYPES = (torch.float16, torch.bfloat16)  # dense rows read in these dtypes as they are (others: float32)
 MIN_TILES_PER_SPLIT = 8
+SEAT = torch.ops.kvarn.packed_decode.default  # the op seat (kvarn.ops.seats); the C++ kernel serves CPU tensors
 
 _EMPTY = torch.empty(0)
 
@@ -68,12 +69,12 @@ class PackedTiles:
     @classmethod
     def cache(cls, tiles: AffineTiles) -> PackedTiles:
         """Fields [B, H, n, ...] (block_table[b, j] = j)."""
-        return cls(tiles, _strides(tiles, lambda v: (v.stride(0), v.stride(1), v.stride(2))), tiles.codes.shape[2])
+        return cls(tiles, _strides(tiles, lambda st: st[:3]), tiles.codes.shape[2])
 
     @classmethod
     def pool(cls, tiles: AffineTiles) -> PackedTiles:
         """Fields [num_blocks, H, ...] shared by every batch row (stride_batch = 0)."""
-        return cls(tiles, _strides(tiles, lambda v: (0, v.stride(1), v.stride(0))), tiles.codes.shape[0])
+        return cls(tiles, _strides(tiles, lambda st: (0, st[1], st[0])), tiles.codes.shape[0])
 
     def check(self, what: str, rows: int, cols: int) -> None:
         if self.bits not in KERNEL_BITS:
@@ -104,7 +105,7 @@ class PackedTiles:
 
 def _strides(tiles: AffineTiles, of) -> tuple[tuple[int, int, int], ...]:
     fields = (tiles.codes, tiles.row_scale, tiles.row_zero, tiles.col_scale, tiles.rotated)
-    return tuple((0, 0, 0) if v is None else of(v) for v in fields)
+    return tuple((0, 0, 0) if v is None else of(v.stride()) for v in fields)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -156,8 +157,7 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
     [B, Hkv, M, D] each, already divided by the softmax sum. With `hadamard` (H float32 [D, D]) the kernel computes
     q~ = q H itself (qh unused) and returns (plain + rotated H, None): the rotation back, once per row.
     validate=False skips the field checks (callers that pass a store's own fields)."""
-    ext = load()
-    if ext is None:
+    if load() is None:
         raise RuntimeError("the fused CPU decode kernel is unavailable (see the warning above)")
     b, h, _, d = qs.shape
     if keys.rotate != "none" and qh is None and hadamard is None:
@@ -181,13 +181,13 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
         bias = _rows(bias).expand(b, *bias.shape[1:])
     s = splits or auto_splits(b, h, block_table.shape[1])
     h_arg = _EMPTY if hadamard is None else _f32(hadamard).contiguous()
-    out_p, out_r = ext.decode_attention(
-        qs, qh, h_arg, float(scale), kt, ks, keys.bits, int(Rotation.of(keys.rotate)), vt, vs, values.bits,
-        int(Rotation.of(values.rotate)),
+    out_p, out_r = SEAT(
+        qs, qh, h_arg, float(scale), kt, ks, keys.bits, keys.tiles.fmt.rotation, vt, vs, values.bits,
+        values.tiles.fmt.rotation,
         _int32(block_table), _int32(n_blocks), tile, _int32(em).contiguous(), _f32(ek).contiguous(),
         _f32(ev).contiguous(), dk, dv, [p for _, _, p in dense], tiles_pos,
         _EMPTY if bias is None else bias, length, float(softcap or 0.0), s)
-    return out_p, (out_r if out_r is not None and out_r.numel() else None)
+    return out_p, (out_r if out_r.numel() else None)
 
 
 def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles, block_table: torch.Tensor,
