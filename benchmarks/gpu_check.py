@@ -88,6 +88,7 @@ def main() -> int:
     from kvarn.kernels.triton.attention import paged_decode
     from kvarn.presets import get_preset
     from kvarn.quant.affine import AffineConfig, AffineQuantizer
+    from kvarn.quant.policy import kernel_weighted
 
     env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (interpreter)",
@@ -96,6 +97,10 @@ def main() -> int:
     log(f"environment: {env}")
     hq, hkv, d = (8, 2, 64) if smoke else (32, 8, 128)
     g_tile = 64 if smoke else 128
+
+    def store_args(q):
+        """The encoding parameters ops.store_tiles takes besides the tiles' format."""
+        return {"varn": q.config.varn, "varn_iters": q.config.varn_iters, "weighted": bool(kernel_weighted(q.policy))}
 
     def pool_of(quantizer, x, flag=None):
         """Fields [NB, H, ...] of tiles x [NB, H, G, D] (auto: rotation from `flag`, both kinds present)."""
@@ -174,7 +179,7 @@ def main() -> int:
             want = want_t.tensors()
             pool = want_t.map(lambda v: torch.zeros((n + 2, hkv, *v.shape[1:]), dtype=v.dtype, device=dev))
             dst = torch.randperm(n + 2, generator=gen, device=dev)[:n].to(torch.int32)
-            ops.store_tiles(x, q, ops.TileFields.from_pool(pool), dst)
+            ops.store_tiles(x, ops.TileFields.from_pool(pool), dst, **store_args(q))
             got = {k: v[dst.long()].flatten(0, 1) for k, v in pool.items()}
             from kvarn.ops.packing import unpack_codes
 
@@ -274,7 +279,7 @@ def main() -> int:
             pool = want.map(lambda v: torch.zeros((bsz, hkv, *v.shape[1:]), dtype=v.dtype, device=dev))
             f = ops.TileFields.from_pool(pool)
             dst = torch.arange(bsz, dtype=torch.int32, device=dev)
-            row[f"store_{kind}_ms"] = bench(lambda: ops.store_tiles(x, q, f, dst), smoke)
+            row[f"store_{kind}_ms"] = bench(lambda: ops.store_tiles(x, f, dst, **store_args(q)), smoke)
             row[f"encode_torch_{kind}_ms"] = bench(lambda: q.encode(x.flatten(0, 1)), smoke)
 
         kq, vq = get_preset(f"kvarn-k2v2-g{g_tile}").quantizers(d)

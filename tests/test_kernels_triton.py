@@ -32,6 +32,7 @@ from kvarn.kernels.triton.attention import packed_decode, paged_decode
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.presets import get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
+from kvarn.quant.policy import kernel_weighted
 from kvarn.quant.tiles import AffineTiles
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -206,6 +207,11 @@ def empty_pool(quantizer: AffineQuantizer, nb: int, h: int, d: int) -> AffineTil
                                          dtype=v.dtype))
 
 
+def store_args(q: AffineQuantizer) -> dict:
+    """The encoding parameters ops.store_tiles takes besides the tiles' format."""
+    return {"varn": q.config.varn, "varn_iters": q.config.varn_iters, "weighted": bool(kernel_weighted(q.policy))}
+
+
 def stored(pool: AffineTiles, dst: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v[dst.long()].flatten(0, 1) for k, v in pool.items()}
 
@@ -227,7 +233,7 @@ def test_store_matches_encode(d, cfg):
     x = heavy_tailed(n, h, 64, d, generator=gen).float()
     dst = torch.randperm(nb, generator=gen)[:n].to(torch.int32)
     pool = empty_pool(q, nb, h, d)
-    ops.store_tiles(x, q, ops.TileFields.from_pool(pool), dst)
+    ops.store_tiles(x, ops.TileFields.from_pool(pool), dst, **store_args(q))
     got, want = stored(pool, dst), q.encode(x.flatten(0, 1)).tensors()
     exact = cfg[2] == "none" and not cfg[3]
     for k, v in want.items():
@@ -260,7 +266,7 @@ def test_store_auto_writes_the_chosen_candidate():
     # plain per-channel RTN wins here (8 of 8 seeds tried), the rotation on heavy-tailed tiles: both kinds stored
     dst = torch.tensor([3, 0], dtype=torch.int32)
     pool = empty_pool(q, nb, h, d)
-    ops.store_tiles(x, q, ops.TileFields.from_pool(pool), dst)
+    ops.store_tiles(x, ops.TileFields.from_pool(pool), dst, **store_args(q))
     got, want = stored(pool, dst), q.encode(x.flatten(0, 1)).tensors()
     assert torch.equal(got["rotated"], want["rotated"])
     assert 0 < int(got["rotated"].sum()) < n * h, f"flags {got['rotated'].tolist()}: want both kinds of tile"
@@ -268,7 +274,7 @@ def test_store_auto_writes_the_chosen_candidate():
         cfg = AffineConfig(2, "channel", "hadamard" if rot else "none", True, varn_iters=iters, tile=64)
         single = AffineQuantizer(cfg)
         alone = empty_pool(single, nb, h, d)
-        ops.store_tiles(x, single, ops.TileFields.from_pool(alone), dst)
+        ops.store_tiles(x, ops.TileFields.from_pool(alone), dst, **store_args(single))
         sel = got["rotated"].bool() == rot
         for k, v in stored(alone, dst).items():
             assert torch.equal(got[k][sel], v[sel]), k
@@ -278,12 +284,12 @@ def test_store_refuses_unsupported():
     q = AffineQuantizer(AffineConfig(2, "channel", "hadamard", True, tile=64, scale_dtype=torch.float8_e4m3fn))
     pool = empty_pool(q, 2, 1, 64)
     with pytest.raises(ValueError, match="8-bit scales"):
-        ops.store_tiles(torch.randn(1, 1, 64, 64), q, ops.TileFields.from_pool(pool),
-                        torch.zeros(1, dtype=torch.int32))
+        ops.store_tiles(torch.randn(1, 1, 64, 64), ops.TileFields.from_pool(pool),
+                        torch.zeros(1, dtype=torch.int32), **store_args(q))
     q = AffineQuantizer(AffineConfig(2, "channel", "none", False, tile=64))
     pool = empty_pool(q, 2, 1, 64)
     with pytest.raises(ValueError, match="dst must be int32"):
-        ops.store_tiles(torch.randn(1, 1, 64, 64), q, ops.TileFields.from_pool(pool), torch.zeros(1))
+        ops.store_tiles(torch.randn(1, 1, 64, 64), ops.TileFields.from_pool(pool), torch.zeros(1), **store_args(q))
 
 
 # -- compiler ----------------------------------------------------------------------------------------------------

@@ -70,6 +70,28 @@ def relative_col_scales(x: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tenso
     return x / t.unsqueeze(-2) / s_row.unsqueeze(-1), t, s_row
 
 
+def decode_rows(p: AffineTiles) -> torch.Tensor:
+    """X^[r, c] = (q[r, c] a_r + z_r) t_c in float32, rows x cols of each tile (module docstring)."""
+    q = unpack_codes(p.codes, p.fmt.bits).float()
+    x = q * p.row_scale.float().unsqueeze(-1) + p.row_zero.float().unsqueeze(-1)
+    col = p.col_scale
+    return x * col.float().unsqueeze(-2) if col is not None else x
+
+
+def decode_tiles(p: AffineTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Token-major tiles [N, G, D] from their fields and format alone (`AffineQuantizer.decode`): `decode_rows`,
+    transposed back for axis "channel", then @ H where the tile is rotated."""
+    x = decode_rows(p)
+    x = x.transpose(-1, -2) if p.fmt.axis == "channel" else x
+    if p.fmt.rotate == "hadamard":
+        x = hadamard_transform(x)
+    elif p.fmt.rotate == "auto":
+        rot = p.rotated.bool()
+        if rot.any():
+            x = torch.where(rot.view(-1, 1, 1), hadamard_transform(x), x)
+    return x.to(dtype)
+
+
 @dataclass(frozen=True)
 class AffineConfig:
     bits: int = 2
@@ -144,10 +166,7 @@ class AffineQuantizer(TileQuantizer):
                            store_scale(s_col, col_dtype) if s_col is not None else None, fmt=fmt)
 
     def _decode_rows(self, p: AffineTiles) -> torch.Tensor:
-        q = unpack_codes(p.codes, self.config.bits).float()
-        x = q * p.row_scale.float().unsqueeze(-1) + p.row_zero.float().unsqueeze(-1)
-        col = p.col_scale
-        return x * col.float().unsqueeze(-2) if col is not None else x
+        return decode_rows(p)
 
     @property
     def takes_weight(self) -> bool:
@@ -232,14 +251,7 @@ class AffineQuantizer(TileQuantizer):
         return packed.rotated_mask()
 
     def decode(self, packed: AffineTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        x = self._from_rows(self._decode_rows(packed))
-        if self.config.rotate == "hadamard":
-            x = hadamard_transform(x)
-        elif self.config.rotate == "auto":
-            rot = packed.rotated.bool()
-            if rot.any():
-                x = torch.where(rot.view(-1, 1, 1), hadamard_transform(x), x)
-        return x.to(dtype)
+        return decode_tiles(packed, dtype)
 
     def describe(self) -> Mapping[str, object]:
         c = self.config

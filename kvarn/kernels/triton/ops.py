@@ -24,11 +24,11 @@ import triton
 from kvarn.kernels.triton.kernels.codes import pack_kernel, unpack_kernel
 from kvarn.kernels.triton.kernels.decode import decode_split_kernel
 from kvarn.kernels.triton.kernels.store import store_tiles_kernel
-from kvarn.ops.codes import Rotation
 from kvarn.ops.hadamard import hadamard_dense
 from kvarn.ops.packing import pack_codes
-from kvarn.quant.affine import AffineQuantizer
-from kvarn.quant.tiles import AffineTiles
+from kvarn.quant.affine import decode_tiles
+from kvarn.quant.policy import query_weighted, squared_error
+from kvarn.quant.tiles import AffineFormat, AffineTiles
 
 Layout = Literal["cache", "pool"]
 Precision = Literal["ieee", "tf32"]
@@ -85,6 +85,7 @@ class TileFields:
     rotate: str
     axis: str  # the quantizer's rows: "channel" (keys) or "token" (values)
     layout: Layout
+    fmt: AffineFormat  # the tiles' format (scale dtypes, tile, head_dim)
 
     @classmethod
     def of(cls, tiles: AffineTiles, layout: Layout) -> TileFields:
@@ -105,7 +106,7 @@ class TileFields:
                 raise ValueError(f"field {name!r} must be contiguous past its {lead} leading axes, strides "
                                  f"{t.stride()} for shape {tuple(t.shape)}")
         return cls(codes, tiles.row_scale, tiles.row_zero, tiles.col_scale, tiles.rotated, c.bits, c.rotate, c.axis,
-                   layout)
+                   layout, c)
 
     @classmethod
     def from_cache(cls, tiles: AffineTiles) -> TileFields:
@@ -217,8 +218,8 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
         qp, qrp, qp.stride(0), qp.stride(1), bt, bt.stride(0), n_blocks.contiguous(),
         *keys.all_args(), *values.all_args(),
         m_part, l_part, acc_r, acc_p, h, s, bps,
-        MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=int(Rotation.of(keys.rotate)),
-        VROT=int(Rotation.of(values.rotate)), KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
+        MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=keys.fmt.rotation,
+        VROT=values.fmt.rotation, KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
         PLANES=code_layout(), PREC=1 if precision == "tf32" else 0, num_warps=NUM_WARPS,
     )
     return m_part[..., :m], l_part[..., :m], acc_r[..., :m, :], acc_p[..., :m, :]
@@ -269,9 +270,8 @@ def hadamard_f32(d: int, device: torch.device) -> torch.Tensor:
     return hadamard_dense(d, torch.float32, device)
 
 
-def _check_store(quantizer: AffineQuantizer, x: torch.Tensor) -> None:
-    c = quantizer.config
-    if c.scale_dtype.itemsize == 1 or (c.col_scale_dtype is not None and c.col_scale_dtype.itemsize == 1):
+def _check_store(c: AffineFormat, x: torch.Tensor) -> None:
+    if c.scale_dtype.itemsize == 1 or (c.col_dtype is not None and c.col_dtype.itemsize == 1):
         raise ValueError("the Triton store kernel writes 16/32-bit scales; 8-bit scales (fp8 presets, kvarn-auto's "
                          "relative column scales) are not supported yet: store with AffineQuantizer.encode")
     if x.dim() != 4 or x.shape[2] != c.tile or not x.is_floating_point():
@@ -280,9 +280,9 @@ def _check_store(quantizer: AffineQuantizer, x: torch.Tensor) -> None:
     _pow2(c.tile, "the tile size G")
 
 
-def _launch_store(x: torch.Tensor, quantizer: AffineQuantizer, out: TileFields, dst: torch.Tensor, rot: int,
+def _launch_store(x: torch.Tensor, out: TileFields, varn: bool, varn_iters: int, dst: torch.Tensor, rot: int,
                   flag: torch.Tensor | None) -> None:
-    c = quantizer.config
+    c = out.fmt
     n, h, g, d = x.shape
     channel = c.axis == "channel"
     hm = hadamard_f32(d, x.device) if rot else x
@@ -290,39 +290,40 @@ def _launch_store(x: torch.Tensor, quantizer: AffineQuantizer, out: TileFields, 
     store_tiles_kernel[(n * h,)](
         x, x.stride(0), x.stride(1), x.stride(2), dst, fl, hm, *out.all_args(), h,
         D=d, G=g, R=d if channel else g, C=g if channel else d, BITS=c.bits, AXIS_CHANNEL=channel, ROT=rot,
-        VARN=c.varn, ITERS=c.varn_iters, WRITE_FLAG=out.rotated is not None, PLANES=code_layout(),
+        VARN=varn, ITERS=varn_iters, WRITE_FLAG=out.rotated is not None, PLANES=code_layout(),
         num_warps=NUM_WARPS,
     )
 
 
-def store_tiles(x: torch.Tensor, quantizer: AffineQuantizer, out: TileFields, dst: torch.Tensor,
-                weight: torch.Tensor | None = None) -> None:
-    """Quantize tiles x [N, H, G, D] (token-major) and write them into `out` at block dst[n] (int32 [N]) for tile
-    n (cache layout: batch row n, tile index dst[n]; pool layout: pool block dst[n]). rotate="auto": both
-    candidates are encoded, decoded in torch and the quantizer's policy picks per tile (weight [N, H, D]: the
-    running query energy, or None), then the chosen one is written with its flag: three launches, no host sync."""
-    _check_store(quantizer, x)
+def store_tiles(x: torch.Tensor, out: TileFields, dst: torch.Tensor, varn: bool, varn_iters: int,
+                weight: torch.Tensor | None = None, weighted: bool = True) -> None:
+    """Quantize tiles x [N, H, G, D] (token-major) in `out`'s format and write them into `out` at block dst[n]
+    (int32 [N]) for tile n (cache layout: batch row n, tile index dst[n]; pool layout: pool block dst[n]); varn,
+    varn_iters: VarN and its iterations (AffineConfig). rotate="auto": both candidates are encoded, decoded in torch
+    (`decode_tiles`) and the policy picks per tile (weighted: query, weight [N, H, D] the running query energy or
+    None; else mse), then the chosen one is written with its flag: three launches, no host sync."""
+    _check_store(out.fmt, x)
     if dst.dtype != torch.int32 or dst.shape != (x.shape[0],):
         raise ValueError(f"dst must be int32 [N={x.shape[0]}], got {dst.dtype} {tuple(dst.shape)}")
     if out.heads != x.shape[1]:
         raise ValueError(f"x has {x.shape[1]} heads, the fields {out.heads}")
     _check_device(x, out.codes, dst)
     x = x if x.stride(3) == 1 else x.contiguous()
-    rotate = quantizer.config.rotate
-    if rotate != "auto":
-        _launch_store(x, quantizer, out, dst, int(Rotation.of(rotate)), None)
+    if out.rotate != "auto":
+        _launch_store(x, out, varn, varn_iters, dst, out.fmt.rotation, None)
         return
     n, h, g, d = x.shape
     zero = torch.zeros(n, dtype=torch.int32, device=x.device)
     cand = []
     for rot in (1, 0):
-        f = quantizer.format(d).empty((n, h, 1), x.device)  # one candidate encoding, cache layout
+        f = out.fmt.empty((n, h, 1), x.device)  # one candidate encoding, cache layout
         scratch = TileFields(f.codes, f.row_scale, f.row_zero, f.col_scale, None, f.fmt.bits, "none", f.fmt.axis,
-                             "cache")
-        _launch_store(x, quantizer, scratch, zero, rot, None)
+                             "cache", f.fmt)
+        _launch_store(x, scratch, varn, varn_iters, zero, rot, None)
         flags = torch.full((n * h,), rot, dtype=torch.uint8, device=x.device)
-        cand.append(quantizer.decode(dataclasses.replace(f.flatten(3), rotated=flags)))
-    w = weight.reshape(n * h, d) if weight is not None else None
-    keep = quantizer.policy(x.reshape(n * h, g, d).float(), cand[0], cand[1], w)
-    _launch_store(x, quantizer, out, dst, 2, keep.to(torch.uint8).contiguous())
+        cand.append(decode_tiles(dataclasses.replace(f.flatten(3), rotated=flags)))
+    w = weight.reshape(n * h, d) if weight is not None and weighted else None
+    policy = query_weighted if weighted else squared_error
+    keep = policy(x.reshape(n * h, g, d).float(), cand[0], cand[1], w)
+    _launch_store(x, out, varn, varn_iters, dst, 2, keep.to(torch.uint8).contiguous())
 
