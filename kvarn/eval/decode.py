@@ -37,6 +37,7 @@ from kvarn.eval.common import (
 )
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
 from kvarn.eval.forward import decoder_layers, head_dim
+from kvarn.quant.tiles import AffineTiles
 
 COMMAND = "decode"
 HELP = "SPEC §8 decode protocol: token-by-token KL and top-1 vs an unquantized cache"
@@ -65,7 +66,8 @@ def rotation_shares(cache) -> dict:
         per_layer, any_flags = [], False
         for layer in cache.layers:
             store = getattr(getattr(layer, "store", None), kind, None)
-            flags = getattr(store.packed, "rotated", None) if store is not None and store.n_tiles else None  # [B, H, n]
+            packed = store.packed if store is not None and store.n_tiles else None
+            flags = packed.rotated if isinstance(packed, AffineTiles) else None  # [B, H, n]
             if flags is None:
                 per_layer.append(None)
                 continue
