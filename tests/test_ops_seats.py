@@ -143,3 +143,22 @@ def test_decode_step_under_torch_compile(seed):
     print(f"graph breaks in 3 compiled decode steps: {breaks} ({dict(counters['graph_break'])})")
     assert compiled == eager
     torch._dynamo.reset()
+
+
+@needs_kernel
+@pytest.mark.parametrize("preset", ["kvarn-k2v2-g64", "kvarn-k4v2-g64"])
+def test_triton_seat_implementation(preset, monkeypatch, seed):
+    """The CUDA implementation of the decode seat (kvarn.kernels.triton.register, Triton on the CPU interpreter
+    here) on the arguments the fused path passes agrees with the seat's reference to float32 rounding (1e-5 of the
+    output scale), and names what it does not serve (a mask and soft cap)."""
+    pytest.importorskip("triton")
+    from kvarn.kernels.triton import register as triton_seat
+
+    args, _ = _decode_args(preset, monkeypatch, seed)
+    got = triton_seat.packed_decode(*args)
+    ref = packed_decode_reference(*args)
+    for a, r in zip(got, ref):
+        assert a.shape == r.shape
+        if a.numel():
+            assert float((a - r).abs().max()) <= 1e-5 * (1 + float(r.abs().max()))
+    assert triton_seat.unsupported(args[0], 2, 2, 64, torch.ones(1), 0.0, torch.empty(0)) is not None

@@ -24,13 +24,14 @@ import triton
 from kvarn.kernels.triton.kernels.codes import pack_kernel, unpack_kernel
 from kvarn.kernels.triton.kernels.decode import decode_split_kernel
 from kvarn.kernels.triton.kernels.store import store_tiles_kernel
+from kvarn.ops.codes import Rotation
 from kvarn.ops.hadamard import hadamard_dense
 from kvarn.ops.packing import pack_codes
 from kvarn.quant.affine import decode_tiles
 from kvarn.quant.policy import query_weighted, squared_error
 from kvarn.quant.tiles import AffineFormat, AffineTiles
 
-Layout = Literal["cache", "pool"]
+Layout = Literal["cache", "pool", "strided"]
 Precision = Literal["ieee", "tf32"]
 SUPPORTED_BITS = (2, 4)
 NUM_WARPS = 8  # a program holds [D, G] float32 code tiles (64 KiB at D = G = 128): 8 warps keep them in registers
@@ -85,7 +86,17 @@ class TileFields:
     rotate: str
     axis: str  # the quantizer's rows: "channel" (keys) or "token" (values)
     layout: Layout
-    fmt: AffineFormat  # the tiles' format (scale dtypes, tile, head_dim)
+    fmt: AffineFormat | None = None  # the tiles' format (scale dtypes, tile, head_dim); the store needs it
+    strides: tuple[int, ...] = ()  # layout "strided": (batch, head, block) element strides of the 5 fields
+
+    @classmethod
+    def strided(cls, fields: Sequence[torch.Tensor], strides: Sequence[int], bits: int, rotate: int,
+                axis: str) -> TileFields:
+        """The decode seat's arguments (`kvarn.ops.seats`): fields codes, row_scale, row_zero, col_scale, rotated
+        (empty: absent) with (batch, head, block) element strides each."""
+        opt = [t if t.numel() else None for t in fields]
+        return cls(opt[0], opt[1], opt[2], opt[3], opt[4], bits, Rotation(rotate).name.lower(), axis, "strided",
+                   strides=tuple(strides))
 
     @classmethod
     def of(cls, tiles: AffineTiles, layout: Layout) -> TileFields:
@@ -123,6 +134,11 @@ class TileFields:
         zero strides (the kernel never reads it: its constexpr flag is off)."""
         if t is None:
             return self.codes, 0, 0, 0
+        if self.layout == "strided":
+            i = next(i for i, f in enumerate((self.codes, self.row_scale, self.row_zero, self.col_scale,
+                                                self.rotated)) if f is t)
+            sb, sh, sn = self.strides[3 * i:3 * i + 3]
+            return t, sb, sn, sh
         if self.layout == "cache":
             return t, t.stride(0), t.stride(2), t.stride(1)
         return t, 0, t.stride(0), t.stride(1)
@@ -218,8 +234,8 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
         qp, qrp, qp.stride(0), qp.stride(1), bt, bt.stride(0), n_blocks.contiguous(),
         *keys.all_args(), *values.all_args(),
         m_part, l_part, acc_r, acc_p, h, s, bps,
-        MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=keys.fmt.rotation,
-        VROT=values.fmt.rotation, KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
+        MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=Rotation.of(keys.rotate),
+        VROT=Rotation.of(values.rotate), KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
         PLANES=code_layout(), PREC=1 if precision == "tf32" else 0, num_warps=NUM_WARPS,
     )
     return m_part[..., :m], l_part[..., :m], acc_r[..., :m, :], acc_p[..., :m, :]
