@@ -234,8 +234,8 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
         qp, qrp, qp.stride(0), qp.stride(1), bt, bt.stride(0), n_blocks.contiguous(),
         *keys.all_args(), *values.all_args(),
         m_part, l_part, acc_r, acc_p, h, s, bps,
-        MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=Rotation.of(keys.rotate),
-        VROT=Rotation.of(values.rotate), KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
+        MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=int(Rotation.of(keys.rotate)),
+        VROT=int(Rotation.of(values.rotate)), KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
         PLANES=code_layout(), PREC=1 if precision == "tf32" else 0, num_warps=NUM_WARPS,
     )
     return m_part[..., :m], l_part[..., :m], acc_r[..., :m, :], acc_p[..., :m, :]
@@ -326,7 +326,7 @@ def store_tiles(x: torch.Tensor, out: TileFields, dst: torch.Tensor, varn: bool,
     _check_device(x, out.codes, dst)
     x = x if x.stride(3) == 1 else x.contiguous()
     if out.rotate != "auto":
-        _launch_store(x, out, varn, varn_iters, dst, out.fmt.rotation, None)
+        _launch_store(x, out, varn, varn_iters, dst, int(out.fmt.rotation), None)
         return
     n, h, g, d = x.shape
     zero = torch.zeros(n, dtype=torch.int32, device=x.device)
