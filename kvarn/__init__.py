@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# the kernels register behind the op seats whichever floor a user enters through (nothing is built on import)
+import kvarn.kernels  # noqa: F401
+
 if TYPE_CHECKING:
     from kvarn.presets import DEFAULT_PRESET, Preset, get_preset, preset_names, register_preset
 

@@ -19,7 +19,7 @@ from kvarn.attention.view import StoredKV
 from kvarn.cache.store import LayerStore
 from kvarn.presets import Preset, affine_preset, get_preset
 from kvarn.quant.affine import AffineQuantizer
-from kvarn.quant.base import Packed
+from kvarn.quant.tiles import AffineTiles
 from tests.reference.affine import TileRef, quantize_tile_ref, reconstruct_ref
 from tests.reference.data import heavy_tailed
 from tests.reference.hadamard import hadamard_reference
@@ -92,18 +92,18 @@ def tiny_model_folder(folder, family: str, words: list[str], n_words: int, seed:
 def dequant_affine_f64(view: StoredKV) -> torch.Tensor:
     """[B, H, n*G, D] float64 reconstruction of packed tiles of an AffineQuantizer (docs/SPEC.md §3 step 5)."""
     cfg = view.quantizer.config
-    f = view.packed.fields
-    codes = unpack_tensor(f["codes"], cfg.bits).double()  # [B, H, n, R, C]
-    x = codes * f["row_scale"].double().unsqueeze(-1) + f["row_zero"].double().unsqueeze(-1)
-    if "col_scale" in f:
-        x = x * f["col_scale"].double().unsqueeze(-2)
+    f = view.packed
+    codes = unpack_tensor(f.codes, cfg.bits).double()  # [B, H, n, R, C]
+    x = codes * f.row_scale.double().unsqueeze(-1) + f.row_zero.double().unsqueeze(-1)
+    if f.col_scale is not None:
+        x = x * f.col_scale.double().unsqueeze(-2)
     if cfg.axis == "channel":
         x = x.transpose(-1, -2)  # token-major [B, H, n, G, D]
     h = hadamard_reference(x.shape[-1])
     if cfg.rotate == "hadamard":
         x = x @ h
     elif cfg.rotate == "auto":
-        x = torch.where(f["rotated"].bool()[..., None, None], x @ h, x)
+        x = torch.where(f.rotated.bool()[..., None, None], x @ h, x)
     b, hh, n, g, d = x.shape
     if view.exact_values is not None:
         for (bi, hi, ti), v in zip(view.exact_index.tolist(), view.exact_values):
@@ -207,9 +207,9 @@ def nonfinite_case(seed: int):
 
 
 # -- a quantizer against the float64 tile oracle of docs/SPEC.md §3 (tests/quant/test_affine.py) ------------------
-def stored_codes(packed: Packed, i: int, bits: int) -> list[list[int]]:
+def stored_codes(packed: AffineTiles, i: int, bits: int) -> list[list[int]]:
     """Codes of tile i [R][C], unpacked by the reference bit-by-bit reader."""
-    return [unpack_row(row, bits) for row in packed["codes"][i].tolist()]
+    return [unpack_row(row, bits) for row in packed.codes[i].tolist()]
 
 
 def check_against_reference(q: AffineQuantizer, x: torch.Tensor) -> None:
@@ -239,16 +239,16 @@ def check_against_reference(q: AffineQuantizer, x: torch.Tensor) -> None:
         tol = 2 * FP16_U + 1e-5
         k = 1.0
         if c.varn:
-            ratio = packed["col_scale"][i].double() / torch.tensor(ref.t, dtype=torch.float64)
+            ratio = packed.col_scale[i].double() / torch.tensor(ref.t, dtype=torch.float64)
             k = ratio.median().item()
             assert ((ratio - k).abs() <= tol * k).all(), "column scales differ by more than a gauge factor"
         for name, want in (("row_scale", ref.a), ("row_zero", ref.z)):
-            got = packed[name][i].double()
+            got = getattr(packed, name)[i].double()
             want = torch.tensor(want, dtype=torch.float64) / k
             assert ((got - want).abs() <= want.abs() * tol + FP16_ETA).all(), name
         # reconstruction formula X^[r, c] = (q a_r + z_r) t_c with the stored codes and scales, float64
-        t = packed["col_scale"][i].double().tolist() if c.varn else None
-        want = reconstruct_ref(codes, packed["row_scale"][i].double().tolist(), packed["row_zero"][i].double().tolist(),
+        t = packed.col_scale[i].double().tolist() if c.varn else None
+        want = reconstruct_ref(codes, packed.row_scale[i].double().tolist(), packed.row_zero[i].double().tolist(),
                                t, c.axis, c.rotate == "hadamard")
         scale = want.abs().max().item()
         assert (dec[i].double() - want).abs().max().item() <= 2e-6 * scale + 1e-30  # float32 decode arithmetic

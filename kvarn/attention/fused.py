@@ -17,10 +17,11 @@ import torch
 
 from kvarn.attention.view import StoredKV
 from kvarn.kernels.cpu import decode as kernel
-from kvarn.kernels.cpu.build import error, mode  # mode: also read by integrations.vllm.paged as fused.mode
-from kvarn.kernels.cpu.build import take as take_kernel
+from kvarn.ops.dispatch import mode, use_kernel  # noqa: F401 (mode: also read by integrations.vllm.paged)
+from kvarn.ops.seats import supported
 from kvarn.quant.affine import AffineQuantizer
-from kvarn.quant.base import Packed
+
+_CPU = torch.device("cpu")
 
 MAX_QUERIES = 16  # queries per head; longer chunks (prefill) take the matmul-based PyTorch path
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,23 +65,19 @@ def unsupported(query: torch.Tensor, keys: StoredKV | None, values: StoredKV | N
 
 def take(why: str | None) -> bool:
     """Whether a step for which the kernel gave `why` (None: it can serve it) takes the kernel, by KVARN_KERNEL
-    (`kvarn.kernels.cpu.build.take`); "no packed tiles" is not an error under cpu: there is nothing to fuse."""
-    if mode() == "torch":  # before `available()`: the reference path never builds the extension
-        return False
-    if why is None and not kernel.available():
-        why = error() or "the extension is unavailable"
-    return take_kernel(why, "the fused kernel cannot serve this step", optional=("no packed tiles",))
+    (`kvarn.ops.dispatch.use_kernel`; under torch the extension is never built); "no packed tiles" is not an error
+    under cpu: there is nothing to fuse."""
+    return use_kernel(lambda: why if why is not None else supported("packed_decode", _CPU),
+                      "the fused kernel cannot serve this step", optional=("no packed tiles",))
 
 
 def _tiles(view: StoredKV) -> kernel.PackedTiles:
-    c = view.quantizer.config
-    return kernel.PackedTiles.cache(view.packed.fields, c.bits, c.rotate)
+    return kernel.PackedTiles.cache(view.packed)
 
 
 def _decoded(view: StoredKV, idx: torch.Tensor) -> torch.Tensor:
     """Tiles (b, h, j) of idx [k, 3] as attention sees them, float32 [k, G, D] (exact copies where kept exact)."""
-    f = view.packed.fields
-    x = view.quantizer.decode(Packed({k: v[idx[:, 0], idx[:, 1], idx[:, 2]] for k, v in f.items()}), torch.float32)
+    x = view.quantizer.decode(view.packed.select((idx[:, 0], idx[:, 1], idx[:, 2])), torch.float32)
     if len(view.exact_index):
         hit = (idx.unsqueeze(1) == view.exact_index.to(idx.device).unsqueeze(0)).all(-1)  # [k, n_exact]
         row, col = hit.nonzero(as_tuple=True)

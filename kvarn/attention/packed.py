@@ -51,30 +51,19 @@ import torch
 from kvarn.attention import fused
 from kvarn.attention.handoff import attach_observer, attach_past, observe, past_of, take  # noqa: F401 (re-exported)
 from kvarn.attention.view import StoredKV
-from kvarn.ops.hadamard import hadamard_matrix
+from kvarn.ops.hadamard import hadamard_dense
 from kvarn.ops.packing import unpack_codes
 from kvarn.quant.affine import AffineQuantizer
+from kvarn.quant.tiles import AffineTiles
 
 TILE_CHUNK_ELEMENTS = 1 << 22  # unpacked codes (or decoded elements) per chunk of tiles
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # logits per chunk of queries (long prefills on a filled cache)
 
 
-_H: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def hadamard_for(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The dense matrix H [d, d] of `ops.hadamard`, cached per size, dtype and device."""
-    key = (d, dtype, torch.device(device))
-    h = _H.get(key)
-    if h is None:
-        h = _H[key] = hadamard_matrix(d, dtype, device)
-    return h
-
-
 def _hadamard(x: torch.Tensor) -> torch.Tensor:
     """x @ H along the last axis. Here x is a query or an output, M x D with M small: one matmul beats the log2(D)
     butterfly stages on CPU."""
-    return x @ hadamard_for(x.shape[-1], x.dtype, x.device)
+    return x @ hadamard_dense(x.shape[-1], x.dtype, x.device)
 
 
 @dataclass(frozen=True)
@@ -124,13 +113,12 @@ def _tile_chunk(view: StoredKV, rows: int) -> int:
 def _fields(view: StoredKV, first: int, last: int, cd: torch.dtype):
     """Unpacked codes [B, H, n, R, C] and scales (row a, row z [B, H, n, R], col [B, H, n, C] or None, rotation
     flags [B, H, n] bool or None) of tiles [first, last), in the compute dtype."""
-    q: AffineQuantizer = view.quantizer
-    f = view.packed.fields
-    codes = unpack_codes(f["codes"][:, :, first:last], q.config.bits, dtype=cd)
-    a = f["row_scale"][:, :, first:last].to(cd)
-    z = f["row_zero"][:, :, first:last].to(cd)
-    col = f["col_scale"][:, :, first:last].to(cd) if "col_scale" in f else None
-    flag = f["rotated"][:, :, first:last].bool() if "rotated" in f else None
+    f: AffineTiles = view.packed
+    codes = unpack_codes(f.codes[:, :, first:last], f.fmt.bits, dtype=cd)
+    a = f.row_scale[:, :, first:last].to(cd)
+    z = f.row_zero[:, :, first:last].to(cd)
+    col = f.col_scale[:, :, first:last].to(cd) if f.col_scale is not None else None
+    flag = f.rotated[:, :, first:last].bool() if f.rotated is not None else None
     return codes, a, z, col, flag
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from kvarn.cache.store import TensorStore
-from kvarn.quant.base import Packed, TileQuantizer
+from kvarn.quant.base import TileQuantizer
+from kvarn.quant.tiles import Tiles
 
 Post = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -31,7 +32,7 @@ Post = Callable[[torch.Tensor, int], torch.Tensor]
 @dataclass(frozen=True)
 class StoredKV:
     sink: torch.Tensor | None
-    packed: Packed
+    packed: Tiles  # fields [B, H, n, ...]
     n_tiles: int
     tail: torch.Tensor | None
     exact_index: torch.Tensor  # [n_exact, 3] (batch, head, tile) of tiles kept exact
@@ -96,7 +97,7 @@ class StoredKV:
         """Tiles [first, last) decoded, exact tiles restored, `post` applied: [B, H, (last - first) * G, D]."""
         b, h, d = self.shape_bhd
         m, g = last - first, self.tile
-        part = Packed({k: v[:, :, first:last] for k, v in self.packed.fields.items()})
+        part = self.packed.select((slice(None), slice(None), slice(first, last)))
         x = self.quantizer.decode(part.flatten(3), dtype).reshape(b, h, m, g, d)
         ex = self.exact_in(first, last)
         if ex is not None:

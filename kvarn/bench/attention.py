@@ -26,7 +26,6 @@ from kvarn.bench.profile import top_ops
 from kvarn.bench.timing import interleaved_samples, spread
 from kvarn.cache.store import LayerStore
 from kvarn.presets import get_preset
-from kvarn.quant.base import Packed
 from kvarn.synthetic import synthetic_kv
 
 
@@ -90,8 +89,7 @@ def _filled_store(preset: str, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor
         if len(ts.exact_index) or (ts.tail is not None and ts.tail.shape[2]):
             raise ValueError("repeating tiles needs a block of whole, finite tiles")
         reps = -(-n // ts.n_tiles)
-        ts._packed.replace(Packed({name: f.repeat(1, 1, reps, *[1] * (f.dim() - 3))[:, :, :n]
-                                   for name, f in ts.packed.fields.items()}))
+        ts._packed.replace(ts.packed.map(lambda f, r=reps: f.repeat(1, 1, r, *[1] * (f.dim() - 3))[:, :, :n]))
         ts.tail, ts.length = x[:1, :, sink + n * g:].clone(), t
     index = torch.zeros(b, dtype=torch.long)
     store.keys.index_batch(index)

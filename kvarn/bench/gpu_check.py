@@ -89,7 +89,7 @@ def main() -> int:
     from kvarn.kernels.triton.attention import paged_decode
     from kvarn.presets import get_preset
     from kvarn.quant.affine import AffineConfig, AffineQuantizer
-    from kvarn.quant.base import Packed
+    from kvarn.quant.policy import kernel_weighted
 
     env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (interpreter)",
@@ -99,18 +99,23 @@ def main() -> int:
     hq, hkv, d = (8, 2, 64) if smoke else (32, 8, 128)
     g_tile = 64 if smoke else 128
 
+    def store_args(q):
+        """The encoding parameters ops.store_tiles takes besides the tiles' format."""
+        return {"varn": q.config.varn, "varn_iters": q.config.varn_iters, "weighted": bool(kernel_weighted(q.policy))}
+
     def pool_of(quantizer, x, flag=None):
         """Fields [NB, H, ...] of tiles x [NB, H, G, D] (auto: rotation from `flag`, both kinds present)."""
         flat = x.flatten(0, 1)
         if quantizer.config.rotate == "auto":
-            rot = AffineQuantizer(quantizer.config, "always").encode(flat).fields
-            plain = AffineQuantizer(quantizer.config, "never").encode(flat).fields
+            rot = AffineQuantizer(quantizer.config, "always").encode(flat)
+            plain = AffineQuantizer(quantizer.config, "never").encode(flat).tensors()
             keep = flag.flatten()
             f = {k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, plain[k]) for k, v in rot.items()}
             f["rotated"] = keep.to(torch.uint8)
+            tiles = rot.with_tensors(f)
         else:
-            f = quantizer.encode(flat).fields
-        return {k: v.unflatten(0, x.shape[:2]).contiguous() for k, v in f.items()}
+            tiles = quantizer.encode(flat)
+        return tiles.map(lambda v: v.unflatten(0, x.shape[:2]).contiguous())
 
     @step("1. decode correctness vs float64")
     def _decode_correct():
@@ -136,13 +141,13 @@ def main() -> int:
             new = [torch.randn(2, hkv, 1, d, generator=gen, device=dev) for _ in range(2)]
             q = torch.randn(2, hq, d, generator=gen, device=dev)
             exact = [(sink[0], sink[1], None), (tail[0], tail[1], tail_len), (new[0], new[1], None)]
-            keys, values = ops.TileFields.from_pool(kf, kq), ops.TileFields.from_pool(vf, vq)
+            keys, values = ops.TileFields.from_pool(kf), ops.TileFields.from_pool(vf)
             for prec in ("ieee",) if smoke else ("ieee", "tf32"):
                 got = paged_decode(q, keys, values, table, n_blocks, exact, precision=prec)
                 for r in range(2):
                     blk = table[r, :lens[r]].long()
-                    kd = kq.decode(Packed({k: v[blk].flatten(0, 1) for k, v in kf.items()}))  # [n*H, G, D]
-                    vd = vq.decode(Packed({k: v[blk].flatten(0, 1) for k, v in vf.items()}))
+                    kd = kq.decode(kf.select(blk).flatten(2))  # [n*H, G, D]
+                    vd = vq.decode(vf.select(blk).flatten(2))
                     kd = kd.view(lens[r], hkv, g_tile, d).transpose(0, 1).reshape(hkv, -1, d)
                     vd = vd.view(lens[r], hkv, g_tile, d).transpose(0, 1).reshape(hkv, -1, d)
                     t = int(tail_len[r])
@@ -171,10 +176,11 @@ def main() -> int:
             q = AffineQuantizer(AffineConfig(*cfg, tile=g_tile))
             x = torch.randn(n, hkv, g_tile, d, generator=gen, device=dev) * torch.linspace(0.2, 4.0, d, device=dev)
             x = x.to(torch.bfloat16)  # as a model hands K/V over
-            want = q.encode(x.flatten(0, 1)).fields
-            pool = {k: torch.zeros((n + 2, hkv, *v.shape[1:]), dtype=v.dtype, device=dev) for k, v in want.items()}
+            want_t = q.encode(x.flatten(0, 1))
+            want = want_t.tensors()
+            pool = want_t.map(lambda v: torch.zeros((n + 2, hkv, *v.shape[1:]), dtype=v.dtype, device=dev))
             dst = torch.randperm(n + 2, generator=gen, device=dev)[:n].to(torch.int32)
-            ops.store_tiles(x, q, ops.TileFields.from_pool(pool, q), dst)
+            ops.store_tiles(x, ops.TileFields.from_pool(pool), dst, **store_args(q))
             got = {k: v[dst.long()].flatten(0, 1) for k, v in pool.items()}
             from kvarn.ops.packing import unpack_codes
 
@@ -183,8 +189,8 @@ def main() -> int:
             diff = float((a != b).float().mean())
             step_max = int((a - b).abs().max())
             xf = x.flatten(0, 1).float()
-            err = float((q.decode(Packed(got)) - xf).square().mean())
-            ref = float((q.decode(Packed(want)) - xf).square().mean())
+            err = float((q.decode(want_t.with_tensors(got)) - xf).square().mean())
+            ref = float((q.decode(want_t) - xf).square().mean())
             exact = cfg[2] == "none" and not cfg[3]
             ok = (diff == 0) if exact else (diff <= 0.01 and step_max <= 1 and err <= 1.01 * ref)
             check(f"store {q.name} d={d}", ok, codes_differing=diff, max_code_step=step_max, mse=err, mse_ref=ref)
@@ -215,7 +221,8 @@ def main() -> int:
                        "row_scale": torch.rand(total, hkv, g_tile, generator=gen, device=dev).half(),
                        "row_zero": -torch.rand(total, hkv, g_tile, generator=gen, device=dev).half(),
                        "col_scale": torch.rand(total, hkv, d, generator=gen, device=dev).half() + 0.5}
-            keys, values = ops.TileFields.from_pool(kfields, kq), ops.TileFields.from_pool(vfields, vq)
+            keys = ops.TileFields.from_pool(kq.template(d).with_tensors(kfields))
+            values = ops.TileFields.from_pool(vq.template(d).with_tensors(vfields))
             table = torch.randperm(total, generator=gen, device=dev).to(torch.int32).view(bsz, nblk)
             n_blocks = torch.full((bsz,), nblk, dtype=torch.int32, device=dev)
             q = torch.randn(bsz, hq, d, generator=gen, device=dev, dtype=torch.bfloat16)
@@ -269,11 +276,11 @@ def main() -> int:
     def _store_timing():
         def store_row(bsz: int, kind: str, q: AffineQuantizer, row: dict) -> None:
             x = torch.randn(bsz, hkv, g_tile, d, device=dev, dtype=torch.bfloat16)
-            want = q.encode(x[:1, :1].flatten(0, 1).float()).fields
-            pool = {k: torch.zeros((bsz, hkv, *v.shape[1:]), dtype=v.dtype, device=dev) for k, v in want.items()}
-            f = ops.TileFields.from_pool(pool, q)
+            want = q.encode(x[:1, :1].flatten(0, 1).float())
+            pool = want.map(lambda v: torch.zeros((bsz, hkv, *v.shape[1:]), dtype=v.dtype, device=dev))
+            f = ops.TileFields.from_pool(pool)
             dst = torch.arange(bsz, dtype=torch.int32, device=dev)
-            row[f"store_{kind}_ms"] = bench(lambda: ops.store_tiles(x, q, f, dst), smoke)
+            row[f"store_{kind}_ms"] = bench(lambda: ops.store_tiles(x, f, dst, **store_args(q)), smoke)
             row[f"encode_torch_{kind}_ms"] = bench(lambda: q.encode(x.flatten(0, 1)), smoke)
 
         kq, vq = get_preset(f"kvarn-k2v2-g{g_tile}").quantizers(d)

@@ -92,7 +92,6 @@ def run(contexts: list[int], threads: list[int], repeats: int, preset: str) -> l
 
 
 def run_store(calls: int, presets: tuple[str, ...] = ("kvarn-k2v2-g128", "kvarn-auto-k2v2-g128")) -> list[dict]:
-    from kvarn.kernels.cpu import store
     from kvarn.presets import get_preset
 
     torch.set_num_threads(1)
@@ -104,11 +103,11 @@ def run_store(calls: int, presets: tuple[str, ...] = ("kvarn-k2v2-g128", "kvarn-
         p = get_preset(name)
         for kind, q in (("keys", p.key(64)), ("values", p.value(64))):
             for _ in range(20):
-                store.store_tiles(q, x, w)
+                q.encode_kernel(x, w)
             ts = []
             for _ in range(calls):
                 t0 = time.thread_time()
-                store.store_tiles(q, x, w)
+                q.encode_kernel(x, w)
                 ts.append(time.thread_time() - t0)
             ts.sort()
             rows.append({"preset": name, "kind": kind, "p10_us": 1e6 * ts[len(ts) // 10],

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.quant.base import Packed
+from kvarn.quant.tiles import Tiles
 
 SPARE = 0.04
 
@@ -95,15 +95,17 @@ class Buffer:
 
 
 class PackedBuffer:
-    """The packed fields of a store's tiles, one `Buffer` per field: [B, H, n_tiles, ...] in use."""
+    """The packed tiles of a store, one `Buffer` per field: [B, H, n_tiles, ...] in use; `kind` the tiles'
+    template (their format without tensors), from which `view` rebuilds the typed container."""
 
     def __init__(self) -> None:
         self.fields: dict[str, Buffer] = {}
+        self.kind: Tiles = Tiles()
         self.n = 0
 
-    def view(self) -> Packed:
-        """The n tiles in use: a `Packed` of slices [B, H, n, ...] (empty when n == 0)."""
-        return Packed({k: b.view() for k, b in self.fields.items()}) if self.n else Packed()
+    def view(self) -> Tiles:
+        """The n tiles in use: slices [B, H, n, ...] (the empty `Tiles()` when n == 0)."""
+        return self.kind.with_tensors({k: b.view() for k, b in self.fields.items()}) if self.n else Tiles()
 
     @property
     def nbytes(self) -> int:
@@ -113,20 +115,24 @@ class PackedBuffer:
     def reserved(self) -> int:
         return sum(b.reserved for b in self.fields.values())
 
-    def append(self, p: Packed) -> None:
+    def append(self, p: Tiles) -> None:
         """p: fields [B, H, m, ...] of m new tiles."""
-        if self.fields and set(p.fields) != set(self.fields):
-            raise ValueError(f"packed fields {sorted(p.fields)} differ from the stored {sorted(self.fields)}")
-        for k, v in p.fields.items():
+        names = p.names()
+        if self.fields and set(names) != set(self.fields):
+            raise ValueError(f"packed fields {sorted(names)} differ from the stored {sorted(self.fields)}")
+        if not self.fields:
+            self.kind = p.template()
+        for k, v in p.items():
             self.fields.setdefault(k, Buffer()).append(v)
-        self.n += p.fields[next(iter(p.fields))].shape[2] if p.fields else 0
+        self.n += p.axes(3)[2] if names else 0
 
-    def replace(self, p: Packed) -> None:
+    def replace(self, p: Tiles) -> None:
         """Hold compact copies of p's fields [B, H, n, ...]."""
-        self.fields = {k: Buffer() for k in p.fields}
-        for k, v in p.fields.items():
+        self.fields = {k: Buffer() for k in p.names()}
+        self.kind = p.template()
+        for k, v in p.items():
             self.fields[k].replace(v)
-        self.n = p.fields[next(iter(p.fields))].shape[2] if p.fields else 0
+        self.n = p.axes(3)[2] if self.fields else 0
 
     def truncate(self, n: int) -> None:
         if n < self.n:

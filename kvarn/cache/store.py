@@ -56,9 +56,10 @@ from typing import Literal, Protocol
 import torch
 
 from kvarn.cache.buffer import Buffer, PackedBuffer
-from kvarn.quant.base import Packed, TileQuantizer
+from kvarn.quant.base import TileQuantizer
 from kvarn.quant.cache_policy import CachePolicy
 from kvarn.quant.policy import QueryEnergy
+from kvarn.quant.tiles import Tiles
 
 NonFinite = Literal["exact", "error"]
 _NO_INDEX = torch.zeros(0, 3, dtype=torch.long)  # no tile kept exact (never written to)
@@ -122,7 +123,7 @@ _NO_STATS = StoreStats()  # nothing unusual (compared with, never changed)
 class _Encoded:
     """Tiles quantized but not yet committed (so a refusal leaves the store unchanged)."""
 
-    packed: Packed  # fields [B, H, m, ...], exact tiles zeroed
+    packed: Tiles  # fields [B, H, m, ...], exact tiles zeroed
     exact_index: torch.Tensor  # [k, 3] (b, h, tile relative to the first new tile)
     exact_values: torch.Tensor  # [k, G, D]
     stats: StoreStats
@@ -195,7 +196,7 @@ class TensorStore:
         return self._sink.view()
 
     @property
-    def packed(self) -> Packed:
+    def packed(self) -> Tiles:
         """The tiles' fields [B, H, n_tiles, ...] (slices of the buffers)."""
         return self._packed.view()
 
@@ -349,11 +350,10 @@ class TensorStore:
             raise ValueError(f"the tile at batch {int(bi[0])}, head {int(hi[0])}, positions [{first}, {first + g}) "
                              f"cannot be quantized: {cause} (nonfinite='error'; 'exact' keeps such tiles exact)")
         if len(idx):  # zero the stored form so no non-finite value is ever read from it
-            packed = Packed({k: torch.where(exact.view(-1, *[1] * (v.dim() - 1)), torch.zeros_like(v), v)
-                             for k, v in packed.fields.items()})
+            packed = packed.zeroed(exact)
         return _Encoded(packed.unflatten((b, h, m)), torch.stack([bi, hi, ti], 1), tiles.flatten(0, 2)[idx], stats)
 
-    def _fits_dtype(self, packed: Packed, flat: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _fits_dtype(self, packed: Tiles, flat: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N] bool: `ok` and the tile decodes to finite values in the store dtype (module docstring: the bound that
         selects which tiles to decode)."""
         top = torch.finfo(dtype).max
@@ -368,7 +368,7 @@ class TensorStore:
 
     def _commit(self, enc: _Encoded) -> None:
         first = self.n_tiles
-        m = enc.packed.fields[next(iter(enc.packed.fields))].shape[2]
+        m = enc.packed.axes(3)[2]
         if len(enc.exact_index):
             i = enc.exact_index.to(self.exact_index.device)
             i = torch.stack([i[:, 0], i[:, 1], i[:, 2] + first], 1)
@@ -383,10 +383,10 @@ class TensorStore:
         assert self.n_tiles == first + m
 
     # -- reading ---------------------------------------------------------------------------------------
-    def _decode_packed(self, packed: Packed, first_tile: int) -> torch.Tensor:
+    def _decode_packed(self, packed: Tiles, first_tile: int) -> torch.Tensor:
         """packed fields [B, H, m, ...] of tiles [first_tile, first_tile + m) -> [B, H, m * G_q, D], exact tiles
         restored."""
-        b, h, m = packed.fields[next(iter(packed.fields))].shape[:3]
+        b, h, m = packed.axes(3)
         g, d = self.quantizer.tile, self.shape_bhd[2]
         x = self.quantizer.decode(packed.flatten(3), self.dtype).reshape(b, h, m, g, d)
         if len(self.exact_index):
@@ -459,7 +459,7 @@ class TensorStore:
             tiles, r = divmod(keep - self.tiles_start, g)
             restored = None
             if r:  # what attention read from the partly removed tile
-                part = Packed({k: v[:, :, tiles:tiles + 1] for k, v in self.packed.fields.items()})
+                part = self.packed.select((slice(None), slice(None), slice(tiles, tiles + 1)))
                 restored = self._decode_packed(part, tiles)[:, :, :r]
                 self.stats.restored_tokens += r * self.shape_bhd[0]
             self._drop_tiles_from(tiles)

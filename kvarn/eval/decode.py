@@ -13,7 +13,7 @@ Summaries: mean KL over all positions, mean KL over the last `--last` (256) posi
 bits per element of the quantized region (from stored bytes) and of the whole cache at the end (sink and tail
 included). With sink S = 128 and tiles G = 128 the first tile is quantized after position S + G - 1, so KL is 0
 before it. For presets that choose a rotation per tile (`kvarn-auto-*`), the share of rotated key (and value)
-tiles per layer and KV head, read from the stored flags (`packed["rotated"]`).
+tiles per layer and KV head, read from the stored flags (`AffineTiles.rotated`).
 
 Outputs in --out: decode.json (or --json FILE; schema kvarn/eval/schemas/decode.schema.json), summary.md, and
 kl_vs_position.png.
@@ -29,6 +29,7 @@ from kvarn.eval.forward import decoder_layers, head_dim
 from kvarn.eval.options import add_common_arguments, parse_methods, positive_int, result_header, seed_everything
 from kvarn.eval.results import markdown_table, publish
 from kvarn.eval.text import load_tokens, text_name
+from kvarn.quant.tiles import AffineTiles
 
 COMMAND = "decode"
 HELP = "docs/SPEC.md §8 decode protocol: token-by-token KL and top-1 vs an unquantized cache"
@@ -57,7 +58,8 @@ def rotation_shares(cache) -> dict:
         per_layer, any_flags = [], False
         for layer in cache.layers:
             store = getattr(getattr(layer, "store", None), kind, None)
-            flags = store.packed.get("rotated") if store is not None and store.n_tiles else None  # [B, H, n]
+            packed = store.packed if store is not None and store.n_tiles else None
+            flags = packed.rotated if isinstance(packed, AffineTiles) else None  # [B, H, n]
             if flags is None:
                 per_layer.append(None)
                 continue

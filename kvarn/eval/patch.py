@@ -25,11 +25,21 @@ from typing import Literal
 import torch
 
 from kvarn.presets import Preset
-from kvarn.quant.base import Packed, TileQuantizer, check_tiles
+from kvarn.quant.base import TileQuantizer, check_tiles
+from kvarn.quant.tiles import Tiles
 
 Granularity = Literal["token", "element"]
 Which = Literal["worst", "rest"]
-PATCH_FIELDS = ("patch_mask", "patch_values")
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchedTiles(Tiles):
+    """The wrapped quantizer's tiles (`inner`, fields named "inner.<name>") and the patch: patch_mask [N, G, D] bool,
+    patch_values [N, G, D] (x where masked, else 0)."""
+
+    inner: Tiles
+    patch_mask: torch.Tensor | None
+    patch_values: torch.Tensor | None
 
 
 class PatchedQuantizer(TileQuantizer):
@@ -62,17 +72,18 @@ class PatchedQuantizer(TileQuantizer):
         mask = mask.view(err.shape)
         return (mask.unsqueeze(-1) if self.granularity == "token" else mask).expand_as(x)
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def encode(self, x: torch.Tensor) -> PatchedTiles:
         check_tiles(x, self.tile)
         packed = self.inner.encode(x)
         mask = self.selected(x, self.inner.decode(packed, x.dtype))
-        return Packed({**packed.fields, "patch_mask": mask.contiguous(),
-                       "patch_values": torch.where(mask, x, torch.zeros_like(x))})
+        return PatchedTiles(packed, mask.contiguous(), torch.where(mask, x, torch.zeros_like(x)))
 
-    def decode(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        inner = Packed({k: v for k, v in packed.fields.items() if k not in PATCH_FIELDS})
-        xh = self.inner.decode(inner, dtype)
-        return torch.where(packed["patch_mask"], packed["patch_values"].to(dtype), xh)
+    def template(self, head_dim: int) -> PatchedTiles:
+        return PatchedTiles(self.inner.template(head_dim), None, None)
+
+    def decode(self, packed: PatchedTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        xh = self.inner.decode(packed.inner, dtype)
+        return torch.where(packed.patch_mask, packed.patch_values.to(dtype), xh)
 
     def describe(self) -> Mapping[str, object]:
         return {**self.inner.describe(), "patch": {"fraction": self.fraction, "granularity": self.granularity,

@@ -41,7 +41,6 @@ from kvarn.integrations.transformers import (
     text_config,
 )
 from kvarn.presets import Preset, get_preset
-from kvarn.quant.base import Packed
 
 FORMAT = "kvarn-cache"
 FORMAT_VERSION = 2  # 2: the preset's full record (method and policy); 1 had its name and quantizers only
@@ -86,7 +85,7 @@ def _store_state(s: TensorStore, prefix: str, out: dict[str, torch.Tensor]) -> d
                 out[f"{prefix}.{name}"] = t
         if len(s.exact_index):
             out[f"{prefix}.exact_index"] = s.exact_index
-        for name, t in s.packed.fields.items():
+        for name, t in s.packed.items():
             out[f"{prefix}.packed.{name}"] = t
     return {"length": s.length, "shape_bhd": list(s.shape_bhd) if s.length else None,
             "dtype": _dtype_name(s.dtype) if s.length else None, "exact_dtype": _dtype_name(s.exact_dtype),
@@ -197,7 +196,11 @@ def _restore_store(s: TensorStore, state: dict[str, Any], prefix: str, t: dict[s
     s.tail, s.tail_pad = get("tail"), get("tail_pad")
     fields = {k.removeprefix(f"{prefix}.packed."): v.to(device) for k, v in t.items()
               if k.startswith(f"{prefix}.packed.")}
-    s._packed.replace(Packed(fields))
+    packed = s.quantizer.template(s.shape_bhd[2]).with_tensors(fields) if fields else s.packed
+    if set(packed.names()) != set(fields):
+        raise CacheFileError(f"{prefix}: packed fields {sorted(fields)} are not those of the preset's tiles "
+                             f"{sorted(packed.names())} (corrupted)")
+    s._packed.replace(packed)
     ei = get("exact_index")
     s.exact_index = ei if ei is not None else torch.zeros(0, 3, dtype=torch.long, device=device)
     s.exact_values = get("exact_values")

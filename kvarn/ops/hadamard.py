@@ -52,3 +52,16 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
 def hadamard_matrix(d: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu") -> torch.Tensor:
     """The dense matrix H of `hadamard_transform` (x @ H), for references and small D."""
     return hadamard_transform(torch.eye(d, dtype=dtype, device=device))
+
+
+_DENSE: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def hadamard_dense(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`hadamard_matrix(d, dtype, device)`, contiguous, cached per size, dtype and device (normalized, so "cpu" and
+    torch.device("cpu") share an entry). The same values as the float64 matrix cast down: entries are +-1/sqrt(d)."""
+    key = (d, dtype, torch.device(device))
+    h = _DENSE.get(key)
+    if h is None:
+        h = _DENSE[key] = hadamard_matrix(d, dtype, device).contiguous()
+    return h

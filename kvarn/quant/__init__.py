@@ -1,4 +1,6 @@
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
-from kvarn.quant.base import Identity, Packed, TileQuantizer, check_tiles
+from kvarn.quant.base import Identity, TileQuantizer, check_tiles
+from kvarn.quant.tiles import AffineFormat, AffineTiles, DenseTiles, FieldSpec, Tiles
 
-__all__ = ["AffineConfig", "AffineQuantizer", "Identity", "Packed", "TileQuantizer", "check_tiles"]
+__all__ = ["AffineConfig", "AffineFormat", "AffineQuantizer", "AffineTiles", "DenseTiles", "FieldSpec", "Identity",
+           "TileQuantizer", "Tiles", "check_tiles"]

@@ -16,22 +16,25 @@ Reconstruction: X^[r, c] = (q[r, c] * a_r + z_r) * t_c, transposed back, then @ 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from kvarn.kernels.cpu import store as store_kernel
-from kvarn.kernels.cpu.build import mode as kernel_mode
-from kvarn.kernels.cpu.build import take as take_kernel
+from kvarn.ops.codes import CODE_DTYPES, DTYPE_CODES, Rotation
+from kvarn.ops.dispatch import use_kernel
 from kvarn.ops.hadamard import hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
+from kvarn.ops.seats import supported
 from kvarn.ops.varn import DEFAULT_ITERS, varn
-from kvarn.quant.base import Packed, TileQuantizer, check_tiles
-from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy
+from kvarn.quant.base import TileQuantizer, check_tiles
+from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy, kernel_weighted
+from kvarn.quant.tiles import AffineFormat, AffineTiles
 
+STORE_SEAT = torch.ops.kvarn.tile_store.default  # the op seat (kvarn.ops.seats); the C++ kernel serves CPU tiles
 Axis = Literal["channel", "token"]
 Rotate = Literal["none", "hadamard", "auto"]
 
@@ -45,7 +48,7 @@ def zero_dtype(scale_dtype: torch.dtype) -> torch.dtype:
 def store_scale(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast a scale vector to its storage dtype. fp16 overflows to inf, but 8-bit floats (e4m3fn has no
     inf) saturate silently on the cast, so out-of-range values become NaN first: either way the tile is
-    reported by `Packed.finite_tiles` and the cache keeps it exact."""
+    reported by `Tiles.finite_tiles` and the cache keeps it exact."""
     if dtype.itemsize == 1 and dtype.is_floating_point:
         v = torch.where(v.abs() <= torch.finfo(dtype).max, v, torch.full_like(v, float("nan")))
     return v.to(dtype)
@@ -67,6 +70,28 @@ def relative_col_scales(x: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tenso
     return x / t.unsqueeze(-2) / s_row.unsqueeze(-1), t, s_row
 
 
+def decode_rows(p: AffineTiles) -> torch.Tensor:
+    """X^[r, c] = (q[r, c] a_r + z_r) t_c in float32, rows x cols of each tile (module docstring)."""
+    q = unpack_codes(p.codes, p.fmt.bits).float()
+    x = q * p.row_scale.float().unsqueeze(-1) + p.row_zero.float().unsqueeze(-1)
+    col = p.col_scale
+    return x * col.float().unsqueeze(-2) if col is not None else x
+
+
+def decode_tiles(p: AffineTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Token-major tiles [N, G, D] from their fields and format alone (`AffineQuantizer.decode`): `decode_rows`,
+    transposed back for axis "channel", then @ H where the tile is rotated."""
+    x = decode_rows(p)
+    x = x.transpose(-1, -2) if p.fmt.axis == "channel" else x
+    if p.fmt.rotate == "hadamard":
+        x = hadamard_transform(x)
+    elif p.fmt.rotate == "auto":
+        rot = p.rotated.bool()
+        if rot.any():
+            x = torch.where(rot.view(-1, 1, 1), hadamard_transform(x), x)
+    return x.to(dtype)
+
+
 @dataclass(frozen=True)
 class AffineConfig:
     bits: int = 2
@@ -82,6 +107,8 @@ class AffineConfig:
 class AffineQuantizer(TileQuantizer):
     """RTN per row with optional rotation and VarN; `axis` picks the rows (keys: channel, values: token)."""
 
+    tiles_type = AffineTiles
+
     def __init__(self, config: AffineConfig, policy: str | RotationPolicy = DEFAULT_POLICY) -> None:
         check_bits(config.bits)
         if config.axis not in ("channel", "token"):
@@ -94,6 +121,25 @@ class AffineQuantizer(TileQuantizer):
         parts = ["rot" if config.rotate == "hadamard" else config.rotate if config.rotate == "auto" else "",
                  "varn" if config.varn else "", f"rtn{config.bits}", config.axis]
         self.name = "-".join(p for p in parts if p)
+        self._formats: dict[int, AffineFormat] = {}
+
+    def format(self, head_dim: int) -> AffineFormat:
+        """The packed layout of this quantizer's tiles of head_dim D (`kvarn.quant.tiles.AffineFormat`)."""
+        f = self._formats.get(head_dim)
+        if f is None:
+            c = self.config
+            f = self._formats[head_dim] = AffineFormat(
+                c.bits, c.axis, c.rotate, c.tile, head_dim, c.scale_dtype, zero_dtype(c.scale_dtype),
+                (c.col_scale_dtype or c.scale_dtype) if c.varn else None)
+        return f
+
+    def template(self, head_dim: int) -> AffineTiles:
+        return AffineTiles.template_of(self.format(head_dim))
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Stored bits per element of one tile, from the computed layout (no encode: equal to the measured
+        `TileQuantizer.bits_per_element`, which tests check)."""
+        return self.format(head_dim).nbytes * 8 / (self.tile * head_dim)
 
     # layout helpers: token-major [N, G, D] <-> rows x cols
     def _to_rows(self, w: torch.Tensor) -> torch.Tensor:
@@ -102,7 +148,7 @@ class AffineQuantizer(TileQuantizer):
     def _from_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(-1, -2) if self.config.axis == "channel" else x
 
-    def _encode_rows(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _encode_rows(self, x: torch.Tensor, fmt: AffineFormat) -> AffineTiles:
         c = self.config
         col_dtype = c.col_scale_dtype or c.scale_dtype
         if c.varn:
@@ -115,42 +161,55 @@ class AffineQuantizer(TileQuantizer):
         delta, lo = delta.squeeze(-1), lo.squeeze(-1)
         if s_row is not None:
             delta, lo = delta * s_row, lo * s_row
-        out = {"codes": pack_codes(q, c.bits), "row_scale": store_scale(delta, c.scale_dtype),
-               "row_zero": store_scale(lo, zero_dtype(c.scale_dtype))}
-        if s_col is not None:
-            out["col_scale"] = store_scale(s_col, col_dtype)
-        return out
+        return AffineTiles(pack_codes(q, c.bits), store_scale(delta, c.scale_dtype),
+                           store_scale(lo, zero_dtype(c.scale_dtype)),
+                           store_scale(s_col, col_dtype) if s_col is not None else None, fmt=fmt)
 
-    def _decode_rows(self, p: Packed) -> torch.Tensor:
-        q = unpack_codes(p["codes"], self.config.bits).float()
-        x = q * p["row_scale"].float().unsqueeze(-1) + p["row_zero"].float().unsqueeze(-1)
-        col = p.get("col_scale")
-        return x * col.float().unsqueeze(-2) if col is not None else x
+    def _decode_rows(self, p: AffineTiles) -> torch.Tensor:
+        return decode_rows(p)
 
     @property
     def takes_weight(self) -> bool:
         """encode() uses a per-channel weight (running query energy) to choose the rotation."""
         return self.config.rotate == "auto"
 
-    def encode(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Packed:
-        """x [N, G, D] -> Packed. weight [N, D] (rotate="auto" only): per-channel weight of the policy's error,
+    def encode(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
+        """x [N, G, D] -> AffineTiles. weight [N, D] (rotate="auto" only): per-channel weight of the policy's error,
         the running query energy E[q_d^2] of the tile's KV head (`kvarn.quant.policy`); None = all ones.
 
         The fused CPU kernel (`kvarn.kernels.cpu.store`) serves what it supports; everything else, and every call
         when KVARN_KERNEL=torch, takes `encode_reference`. KVARN_KERNEL=cpu refuses to fall back (an error says why)."""
         self._check(x, weight, True)
         if self._kernel(x):
-            return Packed(store_kernel.store_tiles(self, x, weight)[0])
+            return self.encode_kernel(x, weight)[0]
         return self.encode_reference(x, weight)
 
     def encode_tiles(self, x: torch.Tensor, weight: torch.Tensor | None = None
-                     ) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+                     ) -> tuple[AffineTiles, torch.Tensor, torch.Tensor]:
         """`TileQuantizer.encode_tiles`; the kernel checks finiteness itself (no extra passes over x)."""
         self._check(x, weight, False)
         if self._kernel(x):
-            fields, finite_in, finite_out = store_kernel.store_tiles(self, x, weight)
-            return Packed(fields), finite_in, finite_out
+            return self.encode_kernel(x, weight)
         return super().encode_tiles(x, weight)
+
+    def encode_kernel(self, x: torch.Tensor, weight: torch.Tensor | None = None
+                      ) -> tuple[AffineTiles, torch.Tensor, torch.Tensor]:
+        """The tile store seat (`torch.ops.kvarn.tile_store`: the fused kernel registered for x's device) on checked
+        tiles x [N, G, D], given tensors and plain parameters only -> (tiles, input_finite, fields_finite) as
+        `encode_tiles`. For tests and benches; `encode` takes it where it applies (`_kernel`)."""
+        c, fmt = self.config, self.format(x.shape[2])
+        w = weight if c.rotate == "auto" and kernel_weighted(self.policy) else None
+        codes, a, z, t, rot, finite_in, finite_out = STORE_SEAT(
+            x, w, c.bits, c.axis == "channel", fmt.rotation, c.varn, c.varn_iters,
+            DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(fmt.col_dtype, 0), self._relative)
+        return AffineTiles(codes, a, z, t if c.varn else None, rot if c.rotate == "auto" else None,
+                           fmt=fmt), finite_in, finite_out
+
+    @property
+    def _relative(self) -> bool:
+        """VarN column scales stored relative to their maximum (`relative_col_scales`)."""
+        c = self.config
+        return c.varn and c.col_scale_dtype is not None and c.col_scale_dtype.itemsize == 1
 
     def _check(self, x: torch.Tensor, weight: torch.Tensor | None, finite: bool) -> None:
         check_tiles(x, self.tile, finite=finite)
@@ -158,46 +217,64 @@ class AffineQuantizer(TileQuantizer):
             raise ValueError(f"weight must be [N, D] = {(x.shape[0], x.shape[2])}, got {tuple(weight.shape)}")
 
     def _kernel(self, x: torch.Tensor) -> bool:
-        """Whether the fused store kernel encodes x (KVARN_KERNEL: torch never; cpu always, or an error says why)."""
-        # torch is checked first so that the reference path never even builds the extension
-        if kernel_mode() == "torch":
-            return False
-        why = store_kernel.unsupported(self, x)
-        return why is None or take_kernel(why, f"the fused store kernel cannot encode {self.name}")
+        """Whether the fused store kernel encodes x (`kvarn.ops.dispatch`, KVARN_KERNEL: torch never, cpu always or an
+        error says why); the kernel registered for x's device names why it cannot (`kvarn.ops.seats.supported`)."""
+        c = self.config
 
-    def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Packed:
+        def why() -> str | None:
+            return supported("tile_store", x.device, x, c.bits, c.axis == "channel", c.varn, c.varn_iters,
+                             c.scale_dtype, self.format(x.shape[2]).col_dtype,
+                             c.rotate != "auto" or kernel_weighted(self.policy) is not None,
+                             getattr(self.policy, "__name__", self.policy))
+
+        return use_kernel(why, f"the fused store kernel cannot encode {self.name}")
+
+    def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
         """The PyTorch path of `encode` (the oracle of the kernel), for checked tiles x [N, G, D]."""
-        w = x.float()
+        w, fmt = x.float(), self.format(x.shape[2])
         if self.config.rotate == "none":
-            return Packed(self._encode_rows(self._to_rows(w)))
-        rot = self._encode_rows(self._to_rows(hadamard_transform(w)))
+            return self._encode_rows(self._to_rows(w), fmt)
+        rot = self._encode_rows(self._to_rows(hadamard_transform(w)), fmt)
         if self.config.rotate == "hadamard":
-            return Packed(rot)
-        plain = self._encode_rows(self._to_rows(w))
-        x_rot = hadamard_transform(self._from_rows(self._decode_rows(Packed(rot))))
-        x_plain = self._from_rows(self._decode_rows(Packed(plain)))
+            return rot
+        plain = self._encode_rows(self._to_rows(w), fmt)
+        x_rot = hadamard_transform(self._from_rows(self._decode_rows(rot)))
+        x_plain = self._from_rows(self._decode_rows(plain))
         keep = self.policy(w, x_rot, x_plain, weight).to(x.device)
-        fields = {k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, plain[k]) for k, v in rot.items()}
-        fields["rotated"] = keep.to(torch.uint8)
-        return Packed(fields)
+        other = plain.tensors()
+        chosen = rot.with_tensors({k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, other[k])
+                                   for k, v in rot.items()})
+        return dataclasses.replace(chosen, rotated=keep.to(torch.uint8))
 
-    def rotated_mask(self, packed: Packed) -> torch.Tensor | None:
+    def rotated_mask(self, packed: AffineTiles) -> torch.Tensor | None:
         """[N] bool of rotated tiles, or None when all tiles share the configured rotation."""
-        flag = packed.get("rotated")
-        return flag.bool() if flag is not None else None
+        return packed.rotated_mask()
 
-    def decode(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        x = self._from_rows(self._decode_rows(packed))
-        if self.config.rotate == "hadamard":
-            x = hadamard_transform(x)
-        elif self.config.rotate == "auto":
-            rot = packed["rotated"].bool()
-            if rot.any():
-                x = torch.where(rot.view(-1, 1, 1), hadamard_transform(x), x)
-        return x.to(dtype)
+    def decode(self, packed: AffineTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return decode_tiles(packed, dtype)
 
     def describe(self) -> Mapping[str, object]:
         c = self.config
         return {"name": self.name, "tile": c.tile, "bits": c.bits, "axis": c.axis, "rotate": c.rotate,
                 "varn": c.varn, "varn_iters": c.varn_iters, "scale_dtype": str(c.scale_dtype).removeprefix("torch."),
                 **({"col_scale_dtype": str(c.col_scale_dtype).removeprefix("torch.")} if c.col_scale_dtype else {})}
+
+
+def tile_store_reference(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel: bool, rotate: int,
+                         varn: bool, varn_iters: int, scale_dtype: int, col_dtype: int, relative: bool
+                         ) -> tuple[torch.Tensor, ...]:
+    """The default of the tile store seat: `encode_reference` of the quantizer these parameters describe (policy
+    query with a weight, mse without), non-finite tiles encoded as zeros (`TileQuantizer.encode_tiles`); absent
+    outputs (no VarN: col_scale; rotate != auto: rotated) are empty tensors of x's dtype, as the kernel's."""
+    sd, cd = CODE_DTYPES[scale_dtype], CODE_DTYPES[col_dtype]
+    cfg = AffineConfig(bits, "channel" if channel else "token", Rotation(rotate).name.lower(), varn, varn_iters,
+                       x.shape[1], sd, cd if varn and (relative or cd != sd) else None)
+    q = AffineQuantizer(cfg, "query" if weight is not None else "mse")
+    finite = torch.isfinite(x).flatten(1).all(dim=1)
+    x = torch.where(finite.view(-1, 1, 1), x, torch.zeros_like(x))
+    p = q.encode_reference(x, weight)
+    return (p.codes, p.row_scale, p.row_zero, x.new_empty(0) if p.col_scale is None else p.col_scale,
+            x.new_empty(0) if p.rotated is None else p.rotated, finite, p.finite_tiles().to(finite.device))
+
+
+torch.library.impl("kvarn::tile_store", "CompositeExplicitAutograd", tile_store_reference)

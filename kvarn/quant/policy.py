@@ -79,6 +79,12 @@ POLICIES: dict[str, RotationPolicy] = {
 DEFAULT_POLICY = "query"
 
 
+def kernel_weighted(policy: RotationPolicy) -> bool | None:
+    """For the fused store kernels, which compute the two policies they know: whether `policy` reads the weight
+    (query: True, mse: False); None for any other policy (the PyTorch reference then encodes)."""
+    return True if policy is query_weighted else False if policy is squared_error else None
+
+
 def get_policy(name: str | RotationPolicy) -> RotationPolicy:
     if callable(name):
         return name

@@ -93,7 +93,7 @@ def test_auto_rotation_mixed_flags(seed):
     k = torch.cat([outliers, heavy], dim=1)
     v = make_inputs("heavy", 1, 2, t, d, gen)
     past = build_past("kvarn-auto-k2v2-g64", k, v, sink=8)
-    flags = past.keys.packed["rotated"].bool()
+    flags = past.keys.packed.rotated.bool()
     assert flags.any() and not flags.all(), flags  # both kinds of tiles are present
     q = make_inputs("heavy", 1, 6, 2, d, gen)
     check(q, torch.randn(1, 2, 2, d, generator=gen), torch.randn(1, 2, 2, d, generator=gen), past,

@@ -147,9 +147,9 @@ def test_attention_store_shortcut_equals_a_filled_store(batch):
     slow.append(k, v)
     assert fast.keys.n_tiles == slow.keys.n_tiles == (context - 128) // 128
     assert fast.length == slow.length == context
-    for name in slow.keys.packed.fields:
-        assert torch.equal(fast.keys.packed.fields[name], slow.keys.packed.fields[name]), name
-        assert torch.equal(fast.values.packed.fields[name], slow.values.packed.fields[name]), name
+    for name in slow.keys.packed.names():
+        assert torch.equal(fast.keys.packed.tensors()[name], slow.keys.packed.tensors()[name]), name
+        assert torch.equal(fast.values.packed.tensors()[name], slow.values.packed.tensors()[name]), name
     assert torch.equal(fast.keys.full(), slow.keys.full()) and torch.equal(fast.values.full(), slow.values.full())
 
 

@@ -77,14 +77,14 @@ def test_tiles_are_quantized_once(seed):
     store = LayerStore.from_preset(small_preset("kvarn", sink=4), D)
     k, v = torch.randn(B, H, 200, D), torch.randn(B, H, 200, D)
     fill(store, k[:, :, :90], v[:, :, :90], rng)
-    old_k = {n: t.clone() for n, t in store.keys.packed.fields.items()}
+    old_k = {n: t.clone() for n, t in store.keys.packed.items()}
     old_dec = store.keys.dequantized_tiles().clone()
     n_old = store.keys.n_tiles
     assert n_old == (90 - 4) // 16
     fill(store, k[:, :, 90:], v[:, :, 90:], rng)
     assert store.keys.n_tiles > n_old
     for name, t in old_k.items():
-        assert torch.equal(store.keys.packed[name][:, :, :n_old], t), name
+        assert torch.equal(store.keys.packed.tensors()[name][:, :, :n_old], t), name
     assert torch.equal(store.keys.dequantized_tiles()[:, :, : n_old * 16], old_dec)
 
 
@@ -158,7 +158,7 @@ def test_non_finite_tiles_kept_exact_and_counted(seed):
     assert same_with_nan(kf[:, :, :sink], k[:, :, :sink])
     # the other tiles are quantized normally and finite; no stored field holds a non-finite value
     assert torch.isfinite(kf[0, 0, sink:]).all() and torch.isfinite(vf[0]).all()
-    for t in store.keys.packed.fields.values():
+    for t in store.keys.packed.tensors().values():
         assert torch.isfinite(t.float()).all()
     nb = store.keys.nbytes()
     assert nb.exact_tiles == 2 * tile * D * 4 + store.keys.exact_index.numel() * 8
@@ -191,7 +191,7 @@ def test_fp8_scale_overflow_tile_kept_exact():
 
 
 def held_bytes(s: TensorStore) -> int:
-    tensors = [s.sink, s.tail, s.exact_values, *s.packed.fields.values()]
+    tensors = [s.sink, s.tail, s.exact_values, *s.packed.tensors().values()]
     n = sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return n + (s.exact_index.numel() * s.exact_index.element_size() if s.exact_values is not None else 0)
 

@@ -167,7 +167,7 @@ def test_left_padding_inside_tiles(real_model, text_ids):
         x[1, :20] = pad_id
         cache = KVarNCache(model.config, "kvarn-k2v2-g64", sink=0, attention=attention)
         out = generate(model, x, cache, 4, mask=mask)
-        fields = [{k: v[1].clone() for k, v in s.packed.fields.items()} for s in stores(cache)]
+        fields = [{k: v[1].clone() for k, v in s.packed.items()} for s in stores(cache)]
         assert all(s.stats.pad_tokens == 20 for s in stores(cache))
         runs[pad_id, attention] = out, torch.stack(out.logits, 1), fields
     (o0, l0, f0), (o1, l1, f1), (_, lr, _) = runs[0, "auto"], runs[1, "auto"], runs[0, "reference"]
@@ -187,10 +187,10 @@ def test_cache_reused_across_chat_turns(real_model, text_ids):
     for attention in ("auto", "reference"):
         cache = caches[attention] = KVarNCache(model.config, "kvarn-auto-k2v2-g64", sink=0, attention=attention)
         first = generate(model, text_ids[:, :140], cache, 4)
-        before = {k: v.clone() for k, v in cache.layers[3].store.keys.packed.fields.items()}
+        before = {k: v.clone() for k, v in cache.layers[3].store.keys.packed.items()}
         second = generate(model, torch.cat([first.sequences, turn2], 1), cache, 4)
         assert cache.get_seq_length() == second.sequences.shape[1] - 1
-        assert all(torch.equal(cache.layers[3].store.keys.packed[k][:, :, :2], v) for k, v in before.items())
+        assert all(torch.equal(cache.layers[3].store.keys.packed.tensors()[k][:, :, :2], v) for k, v in before.items())
         logits[attention] = torch.stack(first.logits + second.logits, 1)
     assert close(logits["auto"], logits["reference"])
 

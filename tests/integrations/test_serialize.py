@@ -28,9 +28,9 @@ def assert_same_store(a, b) -> None:
                      (sa.exact_values, sb.exact_values), (sa.exact_index, sb.exact_index)):
             assert (x is None) == (y is None) and (x is None or (x.dtype == y.dtype and torch.equal(
                 x.nan_to_num(), y.nan_to_num()) and torch.equal(x.isnan(), y.isnan()))), "region differs"
-        assert sa.packed.fields.keys() == sb.packed.fields.keys()
-        for k in sa.packed.fields:
-            assert torch.equal(sa.packed[k], sb.packed[k]), k
+        assert sa.packed.tensors().keys() == sb.packed.tensors().keys()
+        for k in sa.packed.names():
+            assert torch.equal(sa.packed.tensors()[k], sb.packed.tensors()[k]), k
         assert sa.stats == sb.stats and sa.exact_dtype == sb.exact_dtype
     if a.queries is not None:
         assert torch.equal(a.queries.sum, b.queries.sum) and a.queries.count == b.queries.count

@@ -255,8 +255,8 @@ def test_multi_turn_and_tiles_quantized_once(seed):
     for name, cache in caches.items():
         out1 = greedy(model, p1, cache, n=30)
         if name == "q":
-            first = {k: v.clone() for k, v in cache.layers[1].store.keys.packed.fields.items()}
-            first_v = {k: v.clone() for k, v in cache.layers[1].store.values.packed.fields.items()}
+            first = {k: v.clone() for k, v in cache.layers[1].store.keys.packed.items()}
+            first_v = {k: v.clone() for k, v in cache.layers[1].store.values.packed.items()}
             assert cache.layers[1].store.keys.n_tiles == 1
         ids2 = torch.cat([out1, turn2], dim=1)
         outs[name] = greedy(model, ids2, cache, n=30)
@@ -265,9 +265,9 @@ def test_multi_turn_and_tiles_quantized_once(seed):
     store = caches["q"].layers[1].store
     assert store.keys.n_tiles == 3
     for k, v in first.items():
-        assert torch.equal(store.keys.packed[k][:, :, :1], v), k
+        assert torch.equal(store.keys.packed.tensors()[k][:, :, :1], v), k
     for k, v in first_v.items():
-        assert torch.equal(store.values.packed[k][:, :, :1], v), k
+        assert torch.equal(store.values.packed.tensors()[k][:, :, :1], v), k
 
 
 def test_left_padding_batch(seed):
@@ -298,7 +298,7 @@ def test_left_padding_batch(seed):
                     results[impl, path, name] = forward_steps(model, x, cache, [150, 1, 1, 1], fmask, positions)
                     stores = [s for layer in cache.layers for s in (layer.store.keys, layer.store.values)]
                     assert all(s.n_tiles == 2 and s.stats.pad_tokens == 5 for s in stores)
-                    fields[impl, path, name] = [{k: v[1].clone() for k, v in s.packed.fields.items()} for s in stores]
+                    fields[impl, path, name] = [{k: v[1].clone() for k, v in s.packed.items()} for s in stores]
         for key in ((impl, path) for impl, path, name in results if name == "pad0"):
             for a, b in zip(fields[(*key, "pad0")], fields[(*key, "pad77")]):
                 assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (preset, key)
@@ -342,7 +342,7 @@ def store_state(cache: KVarNCache) -> list[torch.Tensor]:
         layer.store.settle()  # kvarn-auto's key tiles wait for queries (none here)
         for s in (layer.store.keys, layer.store.values):
             out += [s.full(), torch.tensor([s.n_tiles, s.tail_start, s.length])]
-            out += [s.packed.fields[k] for k in sorted(s.packed.fields)]
+            out += [s.packed.tensors()[k] for k in sorted(s.packed.names())]
     return out
 
 

@@ -28,6 +28,7 @@ from kvarn.attention import fused as fused_mod
 from kvarn.kernels import PackedTiles, decode_attention
 from kvarn.presets import CachePolicy, Preset, get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
+from kvarn.quant.tiles import AffineTiles
 from tests.helpers import (
     build_past,
     dequant_f64,
@@ -113,15 +114,14 @@ def test_half_dense_rows_read_as_they_are(dtype, seed):
     b, hkv, d, g, n = 2, 2, 64, 64, 3
     k, v = make_inputs("heavy", b, hkv, n * g, d, gen), make_inputs("gauss", b, hkv, n * g, d, gen)
     past = build_past("kvarn-k2v2-g64", k, v, sink=0)
-    kc, vc = past.keys.quantizer.config, past.values.quantizer.config
     q = make_inputs("gauss", b, 3 * hkv, 1, d, gen)
     rows = [tuple(make_inputs("heavy", b, hkv, t, d, gen).to(dtype) for _ in range(2)) for t in (16, 9, 1)]
     pos = [0, 16 + n * g, 25 + n * g]  # sink | tiles | tail | fresh
     table, count = torch.arange(n, dtype=torch.int32).expand(b, n), torch.full((b,), n, dtype=torch.int32)
 
     def call(dense):
-        return decode_attention(q, PackedTiles.cache(past.keys.packed.fields, kc.bits, kc.rotate),
-                                PackedTiles.cache(past.values.packed.fields, vc.bits, vc.rotate), table, count, g,
+        return decode_attention(q, PackedTiles.cache(past.keys.packed),
+                                PackedTiles.cache(past.values.packed), table, count, g,
                                 dense=dense, tiles_pos=16, splits=2)
 
     native = call([(kk, vv, p) for (kk, vv), p in zip(rows, pos)])
@@ -138,7 +138,7 @@ def test_auto_rotation_mixed_flags(seed):
     v = torch.cat([heavy_tailed(1, 1, t, d, generator=gen, df=2).float(), outliers * 0.1], dim=1)
     past = build_past("kvarn-auto-k2v2-g64", k, v, sink=8)
     for view in (past.keys, past.values):
-        flags = view.packed["rotated"].bool()
+        flags = view.packed.rotated.bool()
         assert flags.any() and not flags.all(), flags
     q = make_inputs("heavy", 1, 6, 1, d, gen)
     check_kernel(q, torch.randn(1, 2, 1, d, generator=gen), torch.randn(1, 2, 1, d, generator=gen), past,
@@ -197,16 +197,16 @@ def test_exact_tiles_non_finite(seed):
     assert (out.double() - ref)[good].abs().max() <= bound
 
 
-def _pool(fields: dict[str, torch.Tensor], perm: torch.Tensor) -> dict[str, torch.Tensor]:
+def _pool(fields: AffineTiles, perm: torch.Tensor) -> AffineTiles:
     """[B, H, n, ...] -> a paged pool [B*n, H, ...] where tile (b, j) sits in block perm[b*n + j]."""
-    out = {}
-    for name, f in fields.items():
+    def paged(f: torch.Tensor) -> torch.Tensor:
         b, h, n = f.shape[:3]
         flat = f.transpose(1, 2).reshape(b * n, h, *f.shape[3:])  # [(b, j), H, ...]
         pool = torch.empty_like(flat)
         pool[perm] = flat
-        out[name] = pool
-    return out
+        return pool
+
+    return fields.map(paged)
 
 
 def test_block_table_paged_pool(seed):
@@ -217,32 +217,31 @@ def test_block_table_paged_pool(seed):
     t = n * g
     k, v = make_inputs("heavy", b, hkv, t, d, gen), make_inputs("gauss", b, hkv, t, d, gen)
     past = build_past("kvarn-auto-k2v2-g64", k, v, sink=0)
-    kc, vc = past.keys.quantizer.config, past.values.quantizer.config
     perm = torch.randperm(b * n, generator=gen)
     table = perm.view(b, n).to(torch.int32)
     n_blocks = torch.tensor([5, 3, 4], dtype=torch.int32)
     q = make_inputs("gauss", b, 3 * hkv, 1, d, gen)
     fresh = (torch.randn(b, hkv, 1, d, generator=gen), torch.randn(b, hkv, 1, d, generator=gen))
-    pooled = decode_attention(q, PackedTiles.pool(_pool(past.keys.packed.fields, perm), kc.bits, kc.rotate),
-                              PackedTiles.pool(_pool(past.values.packed.fields, perm), vc.bits, vc.rotate), table,
+    pooled = decode_attention(q, PackedTiles.pool(_pool(past.keys.packed, perm)),
+                              PackedTiles.pool(_pool(past.values.packed, perm)), table,
                               n_blocks, g, dense=[(*fresh, t)], splits=2)
-    cached = decode_attention(q, PackedTiles.cache(past.keys.packed.fields, kc.bits, kc.rotate),
-                              PackedTiles.cache(past.values.packed.fields, vc.bits, vc.rotate),
+    cached = decode_attention(q, PackedTiles.cache(past.keys.packed),
+                              PackedTiles.cache(past.values.packed),
                               torch.arange(n, dtype=torch.int32).expand(b, n), n_blocks, g, dense=[(*fresh, t)],
                               splits=2)
     assert torch.equal(pooled, cached)
     bad = table.clone()
     bad[1, 2] = b * n  # one past the pool
     with pytest.raises(ValueError, match="outside"):
-        decode_attention(q, PackedTiles.pool(_pool(past.keys.packed.fields, perm), kc.bits, kc.rotate),
-                         PackedTiles.pool(_pool(past.values.packed.fields, perm), vc.bits, vc.rotate), bad, n_blocks, g)
+        decode_attention(q, PackedTiles.pool(_pool(past.keys.packed, perm)),
+                         PackedTiles.pool(_pool(past.values.packed, perm)), bad, n_blocks, g)
     with pytest.raises(ValueError, match="must end in"):  # value fields passed as keys: [G, D/4] rows, not [D, G/4]
-        decode_attention(q[..., :g], PackedTiles.cache(past.values.packed.fields, 2, "auto"),
-                         PackedTiles.cache(past.values.packed.fields, 2, "auto"),
+        decode_attention(q[..., :g], PackedTiles.cache(past.values.packed),
+                         PackedTiles.cache(past.values.packed),
                          torch.arange(n, dtype=torch.int32).expand(b, n), n_blocks, 32)
     with pytest.raises(ValueError, match="n_blocks"):
-        decode_attention(q, PackedTiles.cache(past.keys.packed.fields, kc.bits, kc.rotate),
-                         PackedTiles.cache(past.values.packed.fields, vc.bits, vc.rotate),
+        decode_attention(q, PackedTiles.cache(past.keys.packed),
+                         PackedTiles.cache(past.values.packed),
                          torch.arange(n, dtype=torch.int32).expand(b, n), n_blocks + 1, g)
     kd, vd = dequant_f64(past.keys), dequant_f64(past.values)
     for row in range(b):
@@ -261,11 +260,10 @@ def test_splits_combine_exactly(seed):
     t, d = 16 + 14 * 64 + 7, 64
     past = build_past("kvarn-k2v2-g64", make_inputs("heavy", 1, 3, t, d, gen), make_inputs("gauss", 1, 3, t, d, gen),
                       16)
-    kc, vc = past.keys.quantizer.config, past.values.quantizer.config
     q = make_inputs("heavy", 1, 9, 1, d, gen)
     n = past.keys.n_tiles
-    args = (q, PackedTiles.cache(past.keys.packed.fields, kc.bits, kc.rotate),
-            PackedTiles.cache(past.values.packed.fields, vc.bits, vc.rotate),
+    args = (q, PackedTiles.cache(past.keys.packed),
+            PackedTiles.cache(past.values.packed),
             torch.arange(n, dtype=torch.int32).expand(1, n), torch.tensor([n], dtype=torch.int32), 64)
     outs = [decode_attention(*args, splits=s) for s in (1, 3, 7)]
     for o in outs[1:]:

@@ -42,7 +42,6 @@ from kvarn.kernels.cpu import store as store_kernel
 from kvarn.ops.packing import unpack_codes
 from kvarn.presets import get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
-from kvarn.quant.base import Packed
 from kvarn.quant.policy import weighted_error
 from tests.helpers import check_against_reference
 from tests.reference.data import heavy_tailed, real_tiles
@@ -127,18 +126,19 @@ def compare(q: AffineQuantizer, x: torch.Tensor, weight: torch.Tensor | None = N
     """rotate="auto": the kernel's choice is the reference policy's on the kernel's own two candidates (sums in
     double vs float32: ties within 1e-5 relative exempt) and its fields are the chosen candidate's, bit for bit;
     the candidates are checked against the reference. Other rotations: fields against the reference."""
-    got = store_kernel.store_tiles(q, x, weight)[0]
-    want = q.encode_reference(x, weight).fields
+    got = q.encode_kernel(x, weight)[0].tensors()
+    want = q.encode_reference(x, weight).tensors()
     assert set(got) == set(want)
     if q.config.rotate != "auto":
         check_fields(q, got, want, torch.ones(len(x), dtype=torch.bool))
         return
     w = weight if q.policy.__name__ == "query_weighted" else None
     qr, qp = candidates(q, x)
-    enc = [store_kernel.store_tiles(c, x)[0] for c in (qr, qp)]
+    enc = [c.encode_kernel(x)[0].tensors() for c in (qr, qp)]
     for c, e in zip((qr, qp), enc):
-        check_fields(c, e, c.encode_reference(x).fields, torch.ones(len(x), dtype=torch.bool))
-    er, ep = (weighted_error(x.float(), c.decode(Packed(e)), w) for c, e in zip((qr, qp), enc))
+        check_fields(c, e, c.encode_reference(x).tensors(), torch.ones(len(x), dtype=torch.bool))
+    er, ep = (weighted_error(x.float(), c.decode(c.template(x.shape[2]).with_tensors(e)), w)
+              for c, e in zip((qr, qp), enc))
     keep = got["rotated"].bool()
     tie = (er - ep).abs() <= 1e-5 * torch.maximum(er, ep)
     assert bool(((keep == (er < ep)) | tie).all()), "the kernel's choice is not the policy's"
@@ -181,7 +181,7 @@ def test_auto_with_and_without_weight_and_fp8_columns(axis, policy, seed):
     for weight in (None, w):
         compare(q, x, weight)
     if axis == "channel":
-        rot = store_kernel.store_tiles(q, x, w)[0]["rotated"]
+        rot = q.encode_kernel(x, w)[0].rotated
         assert 0 < int(rot.sum()) < len(x), "both choices should occur on this input"
 
 
@@ -194,10 +194,10 @@ def test_one_tile_and_alternating_shapes(seed):
     compare(make("auto", 2, "channel", 128, col=torch.float8_e4m3fn), one, torch.rand(1, 64, generator=g))
     calls = [(make("auto", 2, "channel", 128), one), (make("kvarn", 2, "token", 64), inputs("heavy", 3, 64, 128, g)),
              (make("kvarn", 4, "token", 128), inputs("offset", 2, 128, 96, g))]
-    alone = [store_kernel.store_tiles(q, x)[0] for q, x in calls]
+    alone = [q.encode_kernel(x)[0].tensors() for q, x in calls]
     for _ in range(2):
         for (q, x), want in zip(calls, alone):
-            got = store_kernel.store_tiles(q, x)[0]
+            got = q.encode_kernel(x)[0].tensors()
             assert all(torch.equal(got[k], want[k]) for k in want), q.name
 
 
@@ -240,7 +240,7 @@ def test_torch_mode_takes_the_reference(monkeypatch, seed):
     monkeypatch.setattr(store_kernel, "store_tiles", refuse)
     q = make("kvarn", 2, "channel", 128)
     x = torch.randn(3, 128, 64)
-    assert torch.equal(q.encode(x)["codes"], q.encode_reference(x)["codes"])
+    assert torch.equal(q.encode(x).codes, q.encode_reference(x).codes)
     st = LayerStore.from_preset(get_preset("kvarn-auto-k2v2-g128"), 64, sink=0)
     st.append(x.unsqueeze(0), x.unsqueeze(0))
     assert st.keys.n_tiles == 1
@@ -267,7 +267,7 @@ def test_failed_build_keeps_the_reference(monkeypatch, seed):
     monkeypatch.setattr(build_mod, "_error", "RuntimeError: no compiler")
     q = make("kvarn", 2, "token", 128)
     x = torch.randn(2, 128, 64)
-    assert torch.equal(q.encode(x)["codes"], q.encode_reference(x)["codes"])
+    assert torch.equal(q.encode(x).codes, q.encode_reference(x).codes)
     monkeypatch.setenv("KVARN_KERNEL", "cpu")
     with pytest.raises(RuntimeError, match=r"extension is unavailable.*no compiler"):
         q.encode(x)
@@ -297,8 +297,8 @@ def test_nonfinite_tiles_kept_exact_as_before(monkeypatch, preset, seed):
         assert (sa.exact_values is None) == (sb.exact_values is None)
         if sa.exact_values is not None:
             torch.testing.assert_close(sa.exact_values, sb.exact_values, rtol=0, atol=0, equal_nan=True)
-        for name, t in sb.packed.fields.items():
-            assert t.dtype == sa.packed.fields[name].dtype and t.shape == sa.packed.fields[name].shape
+        for name, t in sb.packed.items():
+            assert t.dtype == sa.packed.tensors()[name].dtype and t.shape == sa.packed.tensors()[name].shape
         ka, kb = sa.full(), sb.full()
         assert torch.equal(torch.isfinite(ka), torch.isfinite(kb))
     for mode in ("cpu", "torch"):
@@ -320,7 +320,7 @@ def test_preset_encode_goes_through_the_kernel(monkeypatch, seed):
         for q in (kq, vq):
             q.encode(torch.randn(2, q.tile, 64))
     assert len(calls) == 6
-    assert math.isfinite(float(store_kernel.store_tiles(kq, torch.randn(1, kq.tile, 64))[0]["row_scale"][0, 0]))
+    assert math.isfinite(float(kq.encode_kernel(torch.randn(1, kq.tile, 64))[0].row_scale[0, 0]))
 
 
 @pytest.mark.parametrize("axis", ["channel", "token"])
@@ -337,8 +337,8 @@ def test_round_half_to_even_on_exact_ties(axis, bits, seed):
     else:
         x[:, :, 0], x[:, :, 1] = 0.0, float(levels)  # every token (row) spans [0, levels]
     q = make("rtn", bits, axis, 128)
-    got = store_kernel.store_tiles(q, x)[0]
-    assert torch.equal(got["codes"], q.encode_reference(x)["codes"])
+    got = q.encode_kernel(x)[0]
+    assert torch.equal(got.codes, q.encode_reference(x).codes)
 
 
 @pytest.mark.parametrize("axis", ["channel", "token"])
@@ -350,5 +350,5 @@ def test_fp8_row_scales(axis, seed):
     q = AffineQuantizer(AffineConfig(2, axis, "hadamard", True, scale_dtype=torch.float8_e4m3fn))
     compare(q, x)
     x[1] *= 1e4
-    _, _, ok = store_kernel.store_tiles(q, x)
+    _, _, ok = q.encode_kernel(x)
     assert torch.equal(ok, q.encode_reference(x).finite_tiles()) and not bool(ok[1])

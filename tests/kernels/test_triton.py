@@ -10,6 +10,7 @@ summation order differs). Skipped when triton is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it first (before anything imports triton)
@@ -28,7 +29,8 @@ from kvarn.kernels.triton.attention import packed_decode, paged_decode
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.presets import get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
-from kvarn.quant.base import Packed
+from kvarn.quant.policy import kernel_weighted
+from kvarn.quant.tiles import AffineTiles
 from tests.helpers import logit_l1, oracle
 from tests.reference.data import heavy_tailed
 from tests.tolerances import EPS32
@@ -64,24 +66,25 @@ def test_planes_layout(bits):
 
 
 # -- decode ------------------------------------------------------------------------------------------------------
-def encode_pool(quantizer: AffineQuantizer, x: torch.Tensor, flag: torch.Tensor) -> dict[str, torch.Tensor]:
+def encode_pool(quantizer: AffineQuantizer, x: torch.Tensor, flag: torch.Tensor) -> AffineTiles:
     """Fields [NB, H, ...] of tiles x [NB, H, G, D]; rotate="auto" tiles take the rotation flag[NB, H] given
     (both candidates encoded by the quantizer), so rotated and plain tiles are both present."""
     flat = x.flatten(0, 1)
     if quantizer.config.rotate == "auto":
-        rot = AffineQuantizer(quantizer.config, "always").encode(flat).fields
-        plain = AffineQuantizer(quantizer.config, "never").encode(flat).fields
+        rot = AffineQuantizer(quantizer.config, "always").encode(flat)
+        plain = AffineQuantizer(quantizer.config, "never").encode(flat).tensors()
         keep = flag.flatten()
         fields = {k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, plain[k]) for k, v in rot.items()}
         fields["rotated"] = keep.to(torch.uint8)
+        tiles = rot.with_tensors(fields)
     else:
-        fields = quantizer.encode(flat).fields
-    return {k: v.unflatten(0, x.shape[:2]).contiguous() for k, v in fields.items()}  # encode may return views
+        tiles = quantizer.encode(flat)
+    return tiles.map(lambda v: v.unflatten(0, x.shape[:2]).contiguous())  # encode may return views
 
 
-def view_of(fields: dict, blocks: torch.Tensor, quantizer, sink, tail) -> StoredKV:
+def view_of(fields: AffineTiles, blocks: torch.Tensor, quantizer, sink, tail) -> StoredKV:
     """One batch row's StoredKV: pool blocks gathered in table order, [1, H, n, ...]."""
-    packed = Packed({k: v[blocks.long()].transpose(0, 1).unsqueeze(0) for k, v in fields.items()})
+    packed = fields.map(lambda v: v[blocks.long()].transpose(0, 1).unsqueeze(0))
     h, d = sink.shape[1], sink.shape[3]
     return StoredKV(sink, packed, len(blocks), tail if tail.shape[2] else None, torch.zeros(0, 3, dtype=torch.long),
                     None, quantizer, (1, h, d), torch.float32)
@@ -122,7 +125,7 @@ def test_paged_decode_matches_oracle(d, gqa, preset):
     new_k, new_v = (heavy_tailed(b, hkv, 1, d, generator=gen).float() for _ in range(2))
     q = torch.randn(b, hkv * gqa, d, generator=gen)  # keys and values heavy-tailed: logits up to ~1e3
     exact = [(sink_k, sink_v, None), (tail_k, tail_v, tail_len), (new_k, new_v, None)]
-    out = paged_decode(q, ops.TileFields.from_pool(kf, kq), ops.TileFields.from_pool(vf, vq), table, n_blocks,
+    out = paged_decode(q, ops.TileFields.from_pool(kf), ops.TileFields.from_pool(vf), table, n_blocks,
                        exact, blocks_per_split=2)  # splits of 2 blocks: row 1's second split is empty
     scaling = d ** -0.5
     for r in range(b):
@@ -150,14 +153,14 @@ def test_cache_adapter_matches_oracle(d, gqa, preset):
     b, hkv, n, g = 2, 2, 2, kq.tile
     flags = torch.tensor([[1, 0], [0, 1], [1, 1], [0, 0]], dtype=torch.bool)  # [b*n, hkv]
     xk, xv = (heavy_tailed(b * n, hkv, g, d, generator=gen).float() for _ in range(2))
-    kf = {k: v.unflatten(0, (b, n)).transpose(1, 2) for k, v in encode_pool(kq, xk, flags).items()}
-    vf = {k: v.unflatten(0, (b, n)).transpose(1, 2) for k, v in encode_pool(vq, xv, ~flags).items()}
+    kf = encode_pool(kq, xk, flags).map(lambda v: v.unflatten(0, (b, n)).transpose(1, 2))
+    vf = encode_pool(vq, xv, ~flags).map(lambda v: v.unflatten(0, (b, n)).transpose(1, 2))
     sink_k, sink_v, tail_k, tail_v = (heavy_tailed(b, hkv, 3, d, generator=gen).float() for _ in range(4))
     new_k, new_v = (heavy_tailed(b, hkv, 1, d, generator=gen).float() for _ in range(2))
     q = heavy_tailed(b, hkv * gqa, 1, d, generator=gen).float()
 
     def view(fields, quantizer, sink, tail):
-        return StoredKV(sink, Packed(fields), n, tail, torch.zeros(0, 3, dtype=torch.long), None, quantizer,
+        return StoredKV(sink, fields, n, tail, torch.zeros(0, 3, dtype=torch.long), None, quantizer,
                         (b, hkv, d), torch.float32)
 
     past = KVarNPast(view(kf, kq, sink_k, tail_k), view(vf, vq, sink_v, tail_v))
@@ -174,14 +177,14 @@ def test_decode_refuses_bad_input():
     kq, vq = get_preset("kvarn-k2v2-g64").quantizers(64)
     f = encode_pool(kq, torch.randn(2, 1, 64, 64), torch.zeros(2, 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="contiguous"):
-        ops.TileFields.from_pool({**f, "row_scale": torch.stack([f["row_scale"]] * 2, -1)[..., 0]}, kq)
-    keys = ops.TileFields.from_pool(f, kq)
+        ops.TileFields.from_pool(dataclasses.replace(f, row_scale=torch.stack([f.row_scale] * 2, -1)[..., 0]))
+    keys = ops.TileFields.from_pool(f)
     with pytest.raises(ValueError, match="per token"):
         paged_decode(torch.randn(1, 1, 64), keys, keys, torch.zeros(1, 2, dtype=torch.int32),
                      torch.ones(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="int32"):
         vf = encode_pool(vq, torch.randn(2, 1, 64, 64), torch.zeros(2, 1, dtype=torch.bool))
-        paged_decode(torch.randn(1, 1, 64), keys, ops.TileFields.from_pool(vf, vq), torch.zeros(1, 2),
+        paged_decode(torch.randn(1, 1, 64), keys, ops.TileFields.from_pool(vf), torch.zeros(1, 2),
                      torch.ones(1, dtype=torch.int32))
 
 
@@ -195,14 +198,19 @@ STORE_CASES = [  # head_dim, AffineConfig: (bits, axis, rotate, varn)
 ]
 
 
-def empty_pool(quantizer: AffineQuantizer, nb: int, h: int, d: int) -> dict[str, torch.Tensor]:
+def empty_pool(quantizer: AffineQuantizer, nb: int, h: int, d: int) -> AffineTiles:
     """Pool fields [nb, H, ...] filled with a marker (0xAB codes, NaN scales) so unwritten slots show."""
-    like = quantizer.encode(torch.randn(1, quantizer.tile, d)).fields
-    return {k: torch.full((nb, h, *v.shape[1:]), 0xAB if v.dtype == torch.uint8 else float("nan"), dtype=v.dtype)
-            for k, v in like.items()}
+    like = quantizer.encode(torch.randn(1, quantizer.tile, d))
+    return like.map(lambda v: torch.full((nb, h, *v.shape[1:]), 0xAB if v.dtype == torch.uint8 else float("nan"),
+                                         dtype=v.dtype))
 
 
-def stored(pool: dict, dst: torch.Tensor) -> dict[str, torch.Tensor]:
+def store_args(q: AffineQuantizer) -> dict:
+    """The encoding parameters ops.store_tiles takes besides the tiles' format."""
+    return {"varn": q.config.varn, "varn_iters": q.config.varn_iters, "weighted": bool(kernel_weighted(q.policy))}
+
+
+def stored(pool: AffineTiles, dst: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v[dst.long()].flatten(0, 1) for k, v in pool.items()}
 
 
@@ -223,8 +231,8 @@ def test_store_matches_encode(d, cfg):
     x = heavy_tailed(n, h, 64, d, generator=gen).float()
     dst = torch.randperm(nb, generator=gen)[:n].to(torch.int32)
     pool = empty_pool(q, nb, h, d)
-    ops.store_tiles(x, q, ops.TileFields.from_pool(pool, q), dst)
-    got, want = stored(pool, dst), q.encode(x.flatten(0, 1)).fields
+    ops.store_tiles(x, ops.TileFields.from_pool(pool), dst, **store_args(q))
+    got, want = stored(pool, dst), q.encode(x.flatten(0, 1)).tensors()
     exact = cfg[2] == "none" and not cfg[3]
     for k, v in want.items():
         if k == "codes":
@@ -237,8 +245,8 @@ def test_store_matches_encode(d, cfg):
             assert torch.equal(got[k], v), k
         else:
             torch.testing.assert_close(got[k].float(), v.float(), rtol=2 ** -9, atol=0, msg=k)
-    err = (q.decode(Packed(got)) - x.flatten(0, 1)).square().mean()
-    ref = (q.decode(Packed(want)) - x.flatten(0, 1)).square().mean()
+    err = (q.decode(q.template(d).with_tensors(got)) - x.flatten(0, 1)).square().mean()
+    ref = (q.decode(q.template(d).with_tensors(want)) - x.flatten(0, 1)).square().mean()
     assert err <= 1.01 * ref
 
 
@@ -256,15 +264,15 @@ def test_store_auto_writes_the_chosen_candidate():
     # plain per-channel RTN wins here (8 of 8 seeds tried), the rotation on heavy-tailed tiles: both kinds stored
     dst = torch.tensor([3, 0], dtype=torch.int32)
     pool = empty_pool(q, nb, h, d)
-    ops.store_tiles(x, q, ops.TileFields.from_pool(pool, q), dst)
-    got, want = stored(pool, dst), q.encode(x.flatten(0, 1)).fields
+    ops.store_tiles(x, ops.TileFields.from_pool(pool), dst, **store_args(q))
+    got, want = stored(pool, dst), q.encode(x.flatten(0, 1)).tensors()
     assert torch.equal(got["rotated"], want["rotated"])
     assert 0 < int(got["rotated"].sum()) < n * h, f"flags {got['rotated'].tolist()}: want both kinds of tile"
     for rot in (True, False):
         cfg = AffineConfig(2, "channel", "hadamard" if rot else "none", True, varn_iters=iters, tile=64)
         single = AffineQuantizer(cfg)
         alone = empty_pool(single, nb, h, d)
-        ops.store_tiles(x, single, ops.TileFields.from_pool(alone, single), dst)
+        ops.store_tiles(x, ops.TileFields.from_pool(alone), dst, **store_args(single))
         sel = got["rotated"].bool() == rot
         for k, v in stored(alone, dst).items():
             assert torch.equal(got[k][sel], v[sel]), k
@@ -274,12 +282,12 @@ def test_store_refuses_unsupported():
     q = AffineQuantizer(AffineConfig(2, "channel", "hadamard", True, tile=64, scale_dtype=torch.float8_e4m3fn))
     pool = empty_pool(q, 2, 1, 64)
     with pytest.raises(ValueError, match="8-bit scales"):
-        ops.store_tiles(torch.randn(1, 1, 64, 64), q, ops.TileFields.from_pool(pool, q),
-                        torch.zeros(1, dtype=torch.int32))
+        ops.store_tiles(torch.randn(1, 1, 64, 64), ops.TileFields.from_pool(pool),
+                        torch.zeros(1, dtype=torch.int32), **store_args(q))
     q = AffineQuantizer(AffineConfig(2, "channel", "none", False, tile=64))
     pool = empty_pool(q, 2, 1, 64)
     with pytest.raises(ValueError, match="dst must be int32"):
-        ops.store_tiles(torch.randn(1, 1, 64, 64), q, ops.TileFields.from_pool(pool, q), torch.zeros(1))
+        ops.store_tiles(torch.randn(1, 1, 64, 64), ops.TileFields.from_pool(pool), torch.zeros(1), **store_args(q))
 
 
 # -- compiler ----------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvarn.presets import get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
-from kvarn.quant.base import Packed
+from kvarn.quant.tiles import AffineTiles
 from tests.helpers import check_against_reference, stored_codes
 from tests.reference.data import heavy_tailed, real_tiles
 from tests.reference.hadamard import hadamard_reference
@@ -76,7 +76,7 @@ def test_reconstruction_formula_both_orientations(seed):
         q = quantizer("varn", 2, axis, tile=8)
         p = q.encode(x)
         codes = stored_codes(p, 0, 2)
-        a, z, t = p["row_scale"][0].double(), p["row_zero"][0].double(), p["col_scale"][0].double()
+        a, z, t = p.row_scale[0].double(), p.row_zero[0].double(), p.col_scale[0].double()
         dec = q.decode(p)[0].double()  # token-major [G, D]
         for tok in range(8):
             for ch in range(16):
@@ -100,12 +100,12 @@ def test_reconstruction_formula_both_orientations(seed):
 # the L2 norm of the per-element bounds of that token.
 
 
-def error_bound(packed: Packed, i: int, bits: int, axis: str, rows_x: torch.Tensor) -> torch.Tensor:
+def error_bound(packed: AffineTiles, i: int, bits: int, axis: str, rows_x: torch.Tensor) -> torch.Tensor:
     """Per-element bound [G, D] (token-major) on |X - X^| in the rows domain of tile i."""
     codes = torch.tensor(stored_codes(packed, i, bits), dtype=torch.float64)  # [R, C]
-    a = packed["row_scale"][i].double().unsqueeze(-1)
-    z = packed["row_zero"][i].double().unsqueeze(-1)
-    col = packed.get("col_scale")
+    a = packed.row_scale[i].double().unsqueeze(-1)
+    z = packed.row_zero[i].double().unsqueeze(-1)
+    col = packed.col_scale
     t = col[i].double().unsqueeze(-2) if col is not None else torch.ones(1, codes.shape[1], dtype=torch.float64)
     e_a, e_z = FP16_U * a.abs() + FP16_ETA, FP16_U * z.abs() + FP16_ETA
     e_t = (FP16_U * t.abs() + FP16_ETA) if col is not None else torch.zeros_like(t)
@@ -148,7 +148,7 @@ def test_roundtrip_error_within_derived_bound(family, axis, bits, tile, d, n, dt
     dec = q.decode(packed, torch.float32)
     assert dec.shape == x.shape and q.decode(packed, dtype).dtype == dtype
     exact = x.double()
-    rotated = torch.full((n,), rotate == "hadamard") if rotate != "auto" else packed["rotated"].bool()
+    rotated = torch.full((n,), rotate == "hadamard") if rotate != "auto" else packed.rotated.bool()
     finite = packed.finite_tiles()
     for i in range(n):
         w = exact[i] @ hadamard_reference(d) if rotated[i] else exact[i]  # token-major, rotated domain
@@ -219,16 +219,16 @@ def test_field_bytes(family, scale_dtype, seed):
         q = quantizer(family, bits, axis, tile, scale_dtype)
         p = q.encode(torch.randn(3, tile, d, generator=g))
         zero_dtype = torch.float16 if scale_dtype == torch.float8_e4m3fn else scale_dtype
-        assert p["codes"].shape == (3, r, c * bits // 8) and p["codes"].dtype == torch.uint8
-        assert p["row_scale"].shape == (3, r) and p["row_scale"].dtype == scale_dtype
-        assert p["row_zero"].shape == (3, r) and p["row_zero"].dtype == zero_dtype
+        assert p.codes.shape == (3, r, c * bits // 8) and p.codes.dtype == torch.uint8
+        assert p.row_scale.shape == (3, r) and p.row_scale.dtype == scale_dtype
+        assert p.row_zero.shape == (3, r) and p.row_zero.dtype == zero_dtype
         has_col = FAMILIES[family][1]
-        assert ("col_scale" in p.fields) == has_col
+        assert ("col_scale" in p.names()) == has_col
         if has_col:
-            assert p["col_scale"].shape == (3, c) and p["col_scale"].dtype == scale_dtype
+            assert p.col_scale.shape == (3, c) and p.col_scale.dtype == scale_dtype
         sb, zb = scale_dtype.itemsize, zero_dtype.itemsize
         want = 3 * (r * c * bits // 8 + r * (sb + zb) + (c * sb if has_col else 0))
-        assert p.nbytes == want == sum(t.numel() * t.element_size() for t in p.fields.values())
+        assert p.nbytes == want == sum(t.numel() * t.element_size() for _, t in p.items())
 
 
 @pytest.mark.parametrize("d,tile", [(128, 128), (64, 128), (128, 64), (64, 64), (96, 128)])
@@ -297,7 +297,7 @@ def test_auto_rotation_decodes_each_tile_its_own_way(seed):
     x = x.float()
     auto = AffineQuantizer(AffineConfig(2, "channel", "auto", True, tile=32))
     p = auto.encode(x)
-    flags = p["rotated"].bool()
+    flags = p.rotated.bool()
     rot, plain = quantizer("kvarn", 2, "channel", 32).roundtrip(x), quantizer("varn", 2, "channel", 32).roundtrip(x)
     want = torch.where(flags.view(-1, 1, 1), rot, plain)
     assert torch.equal(auto.decode(p), want)

@@ -102,83 +102,83 @@ def _recon_ok(decoded: torch.Tensor, ref: torch.Tensor, what: str, stored: torch
 def check_kivi_keys(q, x: torch.Tensor, tol: float = F32) -> None:
     bits = q.config.bits
     p = q.encode(x)
-    codes = unpack_codes(p["codes"], bits)  # [N, D, G]
+    codes = unpack_codes(p.codes, bits)  # [N, D, G]
     ref = kivi_keys_ref(x, bits)
     _codes_ok(codes, ref["codes"], ref["margin"], tol, "kivi keys")
-    _stored_ok(p["row_scale"], ref["scale"], "kivi key scale")
-    _stored_ok(p["row_zero"], ref["zero"], "kivi key min")
-    rec = channel_rows_recon(codes.tolist(), p["row_scale"].double().tolist(), p["row_zero"].double().tolist())
+    _stored_ok(p.row_scale, ref["scale"], "kivi key scale")
+    _stored_ok(p.row_zero, ref["zero"], "kivi key min")
+    rec = channel_rows_recon(codes.tolist(), p.row_scale.double().tolist(), p.row_zero.double().tolist())
     _recon_ok(q.decode(p, torch.float64), rec, "kivi keys")
 
 
 def check_token_rtn(q: TokenRTN, x: torch.Tensor, tol: float) -> None:
     p = q.encode(x)
-    codes = unpack_codes(p["codes"], q.bits)
+    codes = unpack_codes(p.codes, q.bits)
     ref = token_rtn_ref(x, q.bits, q.group, q.rotate, q.clip)
     _codes_ok(codes, ref["codes"], ref["margin"], tol, q.name)
-    _stored_ok(p["scale"], ref["scale"], "scale")
-    _stored_ok(p["zero"], ref["zero"], "zero")
-    rec = token_rtn_recon(codes.tolist(), p["scale"].double().tolist(), p["zero"].double().tolist(), q.group,
+    _stored_ok(p.scale, ref["scale"], "scale")
+    _stored_ok(p.zero, ref["zero"], "zero")
+    rec = token_rtn_recon(codes.tolist(), p.scale.double().tolist(), p.zero.double().tolist(), q.group,
                           q.rotate)
-    _recon_ok(q.decode(p, torch.float64), rec, q.name, p["scale"])
+    _recon_ok(q.decode(p, torch.float64), rec, q.name, p.scale)
 
 
 def check_dense_sparse(q: DenseSparseRTN, x: torch.Tensor, tol: float) -> None:
     p = q.encode(x)
-    codes = unpack_codes(p["codes"], q.bits)
+    codes = unpack_codes(p.codes, q.bits)
     ref = dense_sparse_ref(x, q.bits, q.axis, q.k)
-    assert p["outlier_index"].long().tolist() == ref["index"]
-    _stored_ok(p["outliers"], ref["outliers"], "outliers")
+    assert p.outlier_index.long().tolist() == ref["index"]
+    _stored_ok(p.outliers, ref["outliers"], "outliers")
     _codes_ok(codes, ref["codes"], ref["margin"], tol, q.name)
-    _stored_ok(p["scale"], ref["scale"], "scale")
-    _stored_ok(p["zero"], ref["zero"], "zero")
-    rec = dense_sparse_recon(codes.tolist(), p["scale"].double().tolist(), p["zero"].double().tolist(),
-                             ref["index"], p["outliers"].double().tolist(), q.axis)
-    _recon_ok(q.decode(p, torch.float64), rec, q.name, p["scale"])
+    _stored_ok(p.scale, ref["scale"], "scale")
+    _stored_ok(p.zero, ref["zero"], "zero")
+    rec = dense_sparse_recon(codes.tolist(), p.scale.double().tolist(), p.zero.double().tolist(),
+                             ref["index"], p.outliers.double().tolist(), q.axis)
+    _recon_ok(q.decode(p, torch.float64), rec, q.name, p.scale)
 
 
 def check_polar(q: PolarKeyQuantizer, x: torch.Tensor, tol: float) -> None:
     p = q.encode(x)
-    rc = unpack_codes(p["radius_codes"], q.radius_bits)
-    tc = unpack_codes(p["angle_codes"], q.angle_bits)
+    rc = unpack_codes(p.radius_codes, q.radius_bits)
+    tc = unpack_codes(p.angle_codes, q.angle_bits)
     ref = polar_ref(x, q.radius_bits, q.angle_bits)
     _codes_ok(rc, ref["r_codes"], ref["r_margin"], tol, "radius")
     _codes_ok(tc, ref["t_codes"], ref["t_margin"], tol, "angle")
     for field, key in (("radius_scale", "r_scale"), ("radius_min", "r_min"), ("angle_scale", "t_scale"),
                        ("angle_min", "t_min")):
-        _stored_ok(p[field], ref[key], field)
-    rec = polar_recon(rc.tolist(), p["radius_scale"].double().tolist(), p["radius_min"].double().tolist(),
-                      tc.tolist(), p["angle_scale"].double().tolist(), p["angle_min"].double().tolist())
-    _recon_ok(q.decode(p, torch.float64), rec, "polar", p["radius_scale"])
+        _stored_ok(getattr(p, field), ref[key], field)
+    rec = polar_recon(rc.tolist(), p.radius_scale.double().tolist(), p.radius_min.double().tolist(),
+                      tc.tolist(), p.angle_scale.double().tolist(), p.angle_min.double().tolist())
+    _recon_ok(q.decode(p, torch.float64), rec, "polar", p.radius_scale)
 
 
 def check_turbo(q: TurboQuantizer, x: torch.Tensor, tol: float) -> None:
     p = q.encode(x)
     cb = q.codebook.tolist()
-    codes = unpack_codes(p["codes"], q.mse_bits)
+    codes = unpack_codes(p.codes, q.mse_bits)
     ref = turbo_ref(x, cb, q.rotation, q.sketch)
     _codes_ok(codes, ref["codes"], ref["margin"], tol, q.name)
-    _stored_ok(p["norm"], ref["norm"], "norm")
+    _stored_ok(p.norm, ref["norm"], "norm")
     signs = rnorm = None
     if q.qjl:
-        signs = unpack_codes(p["signs"], 1)
+        signs = unpack_codes(p.signs, 1)
         same_codes = (codes.long() == torch.tensor(ref["codes"])).all(dim=-1)  # the residual depends on the codes
         ref_signs = torch.tensor(ref["signs"])
         clear = torch.tensor(ref["sign_margin"], dtype=torch.float64) >= tol  # |S r| away from 0
         assert ((signs.long() == ref_signs) | ~clear | ~same_codes.unsqueeze(-1)).all(), "QJL signs"
         rn = torch.tensor(ref["rnorm"], dtype=torch.float64)
-        _stored_ok(p["residual_norm"][same_codes], rn[same_codes], "residual norm")
-        signs, rnorm = signs.tolist(), p["residual_norm"].double().tolist()
-    rec = turbo_recon(codes.tolist(), p["norm"].double().tolist(), cb, q.rotation, signs, rnorm, q.sketch)
-    _recon_ok(q.decode(p, torch.float64), rec, q.name, p["norm"])
+        _stored_ok(p.residual_norm[same_codes], rn[same_codes], "residual norm")
+        signs, rnorm = signs.tolist(), p.residual_norm.double().tolist()
+    rec = turbo_recon(codes.tolist(), p.norm.double().tolist(), cb, q.rotation, signs, rnorm, q.sketch)
+    _recon_ok(q.decode(p, torch.float64), rec, q.name, p.norm)
 
 
 def check_kitty(q: KittyKeyQuantizer, x: torch.Tensor, tol: float) -> None:
     p = q.encode(x)
     ref = kitty_ref(x, q.bits, q.high_bits, q.k)
-    assert p["channels"].long().tolist() == ref["promoted"]
-    low = unpack_codes(p["low_codes"], q.bits)
-    high = unpack_codes(p["high_codes"], q.high_bits)
+    assert p.channels.long().tolist() == ref["promoted"]
+    low = unpack_codes(p.low_codes, q.bits)
+    high = unpack_codes(p.high_codes, q.high_bits)
     n, d = x.shape[0], x.shape[2]
     codes = torch.empty(n, d, x.shape[1], dtype=torch.long)
     scale = torch.empty(n, d, dtype=torch.float64)
@@ -186,14 +186,14 @@ def check_kitty(q: KittyKeyQuantizer, x: torch.Tensor, tol: float) -> None:
     for i, promoted in enumerate(ref["promoted"]):
         rest = [c for c in range(d) if c not in promoted]  # stored order: low channels, then promoted, ascending
         codes[i, rest], codes[i, promoted] = low[i].long(), high[i].long()
-        scale[i, rest], scale[i, promoted] = p["low_scale"][i].double(), p["high_scale"][i].double()
-        zero[i, rest], zero[i, promoted] = p["low_zero"][i].double(), p["high_zero"][i].double()
+        scale[i, rest], scale[i, promoted] = p.low_scale[i].double(), p.high_scale[i].double()
+        zero[i, rest], zero[i, promoted] = p.low_zero[i].double(), p.high_zero[i].double()
     _codes_ok(codes, ref["codes"], ref["margin"], tol, "kitty")
     ref_scale = torch.tensor(ref["scale"], dtype=torch.float64)
-    _stored_ok(scale.to(p["low_scale"].dtype), ref_scale, "kitty scale")
-    _stored_ok(zero.to(p["low_zero"].dtype), ref["zero"], "kitty min")
+    _stored_ok(scale.to(p.low_scale.dtype), ref_scale, "kitty scale")
+    _stored_ok(zero.to(p.low_zero.dtype), ref["zero"], "kitty min")
     _recon_ok(q.decode(p, torch.float64), channel_rows_recon(codes.tolist(), scale.tolist(), zero.tolist()), "kitty",
-              p["low_scale"])
+              p.low_scale)
 
 
 # --- registration and description ---------------------------------------------------------------------------
@@ -403,8 +403,8 @@ def test_roundtrip_error_bounds(seed):
         p = q.encode(x)
         w = hadamard_transform(x) if q.rotate else x
         w_hat = hadamard_transform(q.decode(p)) if q.rotate else q.decode(p)
-        delta = p["scale"].repeat_interleave(q.group, dim=-1)
-        lo = p["zero"].repeat_interleave(q.group, dim=-1)
+        delta = p.scale.repeat_interleave(q.group, dim=-1)
+        lo = p.zero.repeat_interleave(q.group, dim=-1)
         hi = lo + delta * 3
         outside = (lo - w).clamp_min(0) + (w - hi).clamp_min(0)
         assert ((w - w_hat).abs() <= (delta / 2 + outside) * slack + 1e-5).all()
@@ -412,26 +412,26 @@ def test_roundtrip_error_bounds(seed):
     q = DenseSparseRTN(2, 64, "channel", 128, scale_dtype=f32, outlier_dtype=f32)
     p = q.encode(x)
     err = (q.decode(p) - x).abs().transpose(-1, -2)  # [N, D, G]
-    assert (err.gather(-1, p["outlier_index"].long()) == 0).all()
-    assert (err <= p["scale"].unsqueeze(-1) / 2 * slack + 1e-5).all()
+    assert (err.gather(-1, p.outlier_index.long()) == 0).all()
+    assert (err <= p.scale.unsqueeze(-1) / 2 * slack + 1e-5).all()
     # polar: |x_pair - x^_pair| <= |rho - rho^| + rho^ |phi - phi^| <= s_r / 2 + rho^ s_t / 2
     q = PolarKeyQuantizer(64, 4, 4, 128, scale_dtype=f32)
     p = q.encode(x)
     x_hat = q.decode(p)
     pair_err = torch.hypot(*(x - x_hat).chunk(2, dim=-1))  # [N, G, D/2]
     rho_hat = torch.hypot(*x_hat.chunk(2, dim=-1))
-    bound = p["radius_scale"].unsqueeze(1) / 2 + rho_hat * p["angle_scale"].unsqueeze(1) / 2
+    bound = p.radius_scale.unsqueeze(1) / 2 + rho_hat * p.angle_scale.unsqueeze(1) / 2
     assert (pair_err <= bound * slack + 1e-5).all()
     # kitty: every channel within half a step of its own bit width; promoted channels have the finer step
     q = KittyKeyQuantizer(64, 2, 4, 0.1, 128, scale_dtype=f32)
     p = q.encode(x)
     err = (q.decode(p) - x).abs().amax(dim=1)  # [N, D]
     for i in range(x.shape[0]):
-        promoted = p["channels"][i].long()
+        promoted = p.channels[i].long()
         rest = torch.tensor([c for c in range(64) if c not in promoted.tolist()])
-        assert (err[i, rest] <= p["low_scale"][i] / 2 * slack + 1e-5).all()
-        assert (err[i, promoted] <= p["high_scale"][i] / 2 * slack + 1e-5).all()
-        assert (p["high_scale"][i] * 15 - (x[i, :, promoted].amax(0) - x[i, :, promoted].amin(0))).abs().max() < 1e-4
+        assert (err[i, rest] <= p.low_scale[i] / 2 * slack + 1e-5).all()
+        assert (err[i, promoted] <= p.high_scale[i] / 2 * slack + 1e-5).all()
+        assert (p.high_scale[i] * 15 - (x[i, :, promoted].amax(0) - x[i, :, promoted].amin(0))).abs().max() < 1e-4
 
 
 # --- bytes through LayerStore --------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ def test_policy_picks_the_lower_logit_error(scenario, seed):
     w = qe.weight()[0, 0].expand(n, D)
     qz = quantizers()
     packed = qz["auto"].encode(x, weight=w)
-    chosen = packed["rotated"].bool()
+    chosen = packed.rotated.bool()
     e_rot = logit_err(later, x, qz["hadamard"].roundtrip(x))
     e_plain = logit_err(later, x, qz["none"].roundtrip(x))
     e_auto = logit_err(later, x, qz["auto"].decode(packed))
@@ -177,12 +177,12 @@ def test_auto_tiles_decode_like_the_fixed_quantizer_they_chose(seed):
     w = torch.rand(8, D, generator=gen) + 0.1
     qz = quantizers()
     p = qz["auto"].encode(x, weight=w)
-    flags = p["rotated"].bool()
+    flags = p.rotated.bool()
     assert flags.any() and not flags.all()
     for name, fixed in (("hadamard", True), ("none", False)):
         ref = qz[name].encode(x)
-        for k, v in ref.fields.items():
-            assert torch.equal(p[k][flags == fixed], v[flags == fixed]), (name, k)
+        for k, v in ref.items():
+            assert torch.equal(p.tensors()[k][flags == fixed], v[flags == fixed]), (name, k)
         assert torch.equal(qz["auto"].decode(p)[flags == fixed], qz[name].decode(ref)[flags == fixed])
     # the flag is stored and counted: one byte per tile on top of the fixed quantizer's bytes
     assert p.nbytes == qz["none"].encode(x).nbytes + 8
@@ -194,7 +194,7 @@ def test_every_named_policy_has_the_signature():
     x = torch.randn(3, G, D, generator=gen)
     for name, pol in POLICIES.items():
         out = AffineQuantizer(AffineConfig(2, "channel", "auto", True), policy=name).encode(x, weight=None)
-        assert out["rotated"].shape == (3,), name
+        assert out.rotated.shape == (3,), name
         assert pol(x, x, x, None).dtype == torch.bool
 
 
@@ -256,8 +256,8 @@ def test_cache_observes_queries_on_both_read_paths(seed):
         stored[impl] = [layer.store.keys.packed for layer in layers]
     model.set_attn_implementation("sdpa")
     for a, b in zip(stored["sdpa"], stored["kvarn"]):
-        for name in a.fields:
-            assert torch.equal(a[name], b[name]), name
+        for name in a.names():
+            assert torch.equal(a.tensors()[name], b.tensors()[name]), name
 
 
 # -- real activations ------------------------------------------------------------------------------------------------
@@ -324,15 +324,15 @@ def test_relative_e4m3_column_scales(axis, seed):
     e4 = AffineQuantizer(AffineConfig(2, axis, "hadamard", True, col_scale_dtype=torch.float8_e4m3fn))
     f16 = AffineQuantizer(AffineConfig(2, axis, "hadamard", True))
     p = e4.encode(x)
-    assert p["col_scale"].dtype == torch.float8_e4m3fn and p["row_scale"].dtype == torch.float16
+    assert p.col_scale.dtype == torch.float8_e4m3fn and p.row_scale.dtype == torch.float16
     assert p.finite_tiles().all()
     absolute = AffineQuantizer(AffineConfig(2, axis, "hadamard", True, scale_dtype=torch.float8_e4m3fn))
     assert not absolute.encode(x[:1]).finite_tiles().any()  # the cache would have to keep this tile exact
-    t = p["col_scale"].double()
+    t = p.col_scale.double()
     assert (t > 0).all() and (t <= 1).all() and (t.amax(-1) == 1).all()
     # reconstruction from the stored fields, written out: (q a + z) t in the rotated basis, then @ H
-    q = unpack_codes(p["codes"], 2).double()
-    rows = (q * p["row_scale"].double().unsqueeze(-1) + p["row_zero"].double().unsqueeze(-1)) * t.unsqueeze(-2)
+    q = unpack_codes(p.codes, 2).double()
+    rows = (q * p.row_scale.double().unsqueeze(-1) + p.row_zero.double().unsqueeze(-1)) * t.unsqueeze(-2)
     tok = rows.transpose(-1, -2) if axis == "channel" else rows
     from kvarn.ops.hadamard import hadamard_matrix
 

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from kvarn.presets import Preset
+from kvarn.quant.affine import AffineQuantizer
+from kvarn.quant.tiles import AffineFormat, AffineTiles
 
 
 @dataclass(frozen=True)
 class Field:
     kind: str  # "keys" | "values"
-    name: str  # codes, row_scale, row_zero, col_scale
+    name: str  # codes, row_scale, row_zero, col_scale, rotated
     shape: tuple[int, ...]  # per tile
     dtype: torch.dtype
     offset: int  # bytes into the head's run
@@ -35,21 +37,24 @@ def _ceil(a: int, b: int) -> int:
 
 
 class TileLayout:
-    """Where each packed field of a (keys, values) tile pair sits in a head's run of a page."""
+    """Where each packed field of a (keys, values) tile pair sits in a head's run of a page: the key tile's
+    `AffineFormat.offsets` from 0, then the value tile's from where the keys end (each field aligned to its
+    itemsize)."""
 
     def __init__(self, preset: Preset, head_dim: int, fp_dtype: torch.dtype) -> None:
         self.preset, self.head_dim, self.fp_dtype = preset, head_dim, fp_dtype
         self.tile = g = preset.tile
         self.key_q, self.value_q = preset.quantizers(head_dim)
-        gen = torch.Generator().manual_seed(0)
-        probe = torch.randn(1, g, head_dim, generator=gen)  # only the fields' shapes and dtypes are used
+        for q in (self.key_q, self.value_q):
+            if not isinstance(q, AffineQuantizer):
+                raise TypeError(f"kvarn's vLLM pages hold AffineQuantizer tiles, not {type(q).__name__}")
+        self.formats: dict[str, AffineFormat] = {"keys": self.key_q.format(head_dim),
+                                                 "values": self.value_q.format(head_dim)}
         fields, at = [], 0
-        for kind, q in (("keys", self.key_q), ("values", self.value_q)):
-            for name, t in q.encode(probe).fields.items():
-                n = t[0].numel() * t.element_size()
-                at = _ceil(at, t.element_size()) * t.element_size()  # each field aligned to its itemsize
-                fields.append(Field(kind, name, tuple(t.shape[1:]), t.dtype, at, n))
-                at += n
+        for kind, fmt in self.formats.items():
+            for f, offset in fmt.offsets(at):
+                fields.append(Field(kind, f.name, f.shape, f.dtype, offset, f.nbytes))
+                at = offset + f.nbytes
         self.fields = tuple(fields)
         self.packed_bytes = at  # per head per tile
         self.c0 = _ceil(at, g)  # bytes per token slot for the packed part
@@ -67,15 +72,15 @@ class TileLayout:
         """What stock vLLM stores per head per block at 16 bits, for capacity ratios."""
         return self.tile * 2 * self.head_dim * 2
 
-    def views(self, runs: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """runs uint8 [num_blocks, H, >= packed_bytes] -> (keys, values): each field as a zero-copy strided view
+    def views(self, runs: torch.Tensor) -> tuple[AffineTiles, AffineTiles]:
+        """runs uint8 [num_blocks, H, >= packed_bytes] -> (keys, values): each field a zero-copy strided view
         [num_blocks, H, *shape] in its dtype: field f of block b, head h at base + b*stride(0) + h*stride(1), the
         block-table addressing of the shared kernel design."""
         out: dict[str, dict[str, torch.Tensor]] = {"keys": {}, "values": {}}
         for f in self.fields:
             raw = runs[:, :, f.offset:f.offset + f.nbytes]
             out[f.kind][f.name] = raw.view(f.dtype).unflatten(-1, f.shape)
-        return out["keys"], out["values"]
+        return tuple(AffineTiles.template_of(self.formats[k]).with_tensors(out[k]) for k in ("keys", "values"))
 
 
 @dataclass(frozen=True)

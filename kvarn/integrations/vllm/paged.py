@@ -32,7 +32,7 @@ from kvarn.attention.packed import KVarNPast, allowed, packed_attention
 from kvarn.attention.view import StoredKV
 from kvarn.integrations.vllm.pool import LayerPool, RequestPlan, StepPlan
 from kvarn.kernels.cpu import decode as kernel
-from kvarn.quant.base import Packed
+from kvarn.quant.tiles import Tiles
 
 _NO_EXACT = torch.zeros(0, 3, dtype=torch.long)
 
@@ -98,8 +98,9 @@ def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list
                            "vLLM backend does not keep such tiles exact yet")
     idx = torch.tensor(blocks, dtype=torch.long)
     for fields, packed in ((pool.key_fields, kp), (pool.value_fields, vp)):
+        new = packed.tensors()
         for name, view in fields.items():
-            view[idx] = packed[name].unflatten(0, (n, h))
+            view[idx] = new[name].unflatten(0, (n, h))
 
 
 def _sink_rows(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int,
@@ -130,7 +131,7 @@ def past_view(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int,
     h = pool.geo.num_kv_heads
     views = []
     for i, (fields, q) in enumerate(((pool.key_fields, lay.key_q), (pool.value_fields, lay.value_q))):
-        packed = Packed({name: v[idx].transpose(0, 1)[None] for name, v in fields.items()}) if len(idx) else Packed()
+        packed = fields.select(idx).map(lambda v: v.transpose(0, 1)[None]) if len(idx) else Tiles()
         views.append(StoredKV(None if sink is None else sink[i], packed, len(idx), None, _NO_EXACT, None, q,
                               (1, h, lay.head_dim), dtype))
     return views[0], views[1]
@@ -156,9 +157,8 @@ def fused_piece(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, q: to
     dense.append((k, v, j * g))
     table = torch.tensor([p.blocks[ns:j]], dtype=torch.int32)
     ok = None if length == 1 else allowed(None, 1, length, j * g + t, q.device)  # causal within block j
-    kc, vc = lay.key_q.config, lay.value_q.config
-    out = kernel.decode_attention(q, kernel.PackedTiles.pool(pool.key_fields, kc.bits, kc.rotate),
-                                  kernel.PackedTiles.pool(pool.value_fields, vc.bits, vc.rotate), table,
+    out = kernel.decode_attention(q, kernel.PackedTiles.pool(pool.key_fields),
+                                  kernel.PackedTiles.pool(pool.value_fields), table,
                                   torch.tensor([n], dtype=torch.int32), g, scaling=scale, dense=dense,
                                   tiles_pos=ns * g, bias=None if ok is None else fused.bias(None, ok),
                                   softcap=softcap)

@@ -1,7 +1,7 @@
 """Building and loading the C++/OpenMP extension (torch.utils.cpp_extension, compiled once per machine and torch).
 
 One module holds both kernels: decode attention (decode.cpp) and the tile store (store.cpp); module.cpp binds them.
-`mode()` reads KVARN_KERNEL, which both obey: auto (the kernel where it applies), torch (the PyTorch reference
+Both obey KVARN_KERNEL (`kvarn.ops.dispatch`): auto (the kernel where it applies), torch (the PyTorch reference
 everywhere), cpu (the kernel or an error naming why not).
 
 The build goes to `$KVARN_CACHE/torch_extensions/<machine tag>` (~/.cache/kvarn by default) with -O3 -march=native:
@@ -12,7 +12,6 @@ compiler and ninja (a dependency of kvarn). When the build fails, `load()` retur
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 import warnings
 from pathlib import Path
@@ -20,6 +19,7 @@ from types import ModuleType
 
 import torch
 
+from kvarn.ops.dispatch import mode, take  # noqa: F401 (the KVARN_KERNEL rule, re-exported)
 from kvarn.paths import cache_dir
 
 SOURCES = [Path(__file__).with_name(n) for n in ("decode.cpp", "store.cpp", "module.cpp")]
@@ -27,27 +27,6 @@ FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-
 
 _module: ModuleType | None = None
 _error: str | None = None
-
-
-def mode() -> str:
-    m = os.environ.get("KVARN_KERNEL", "auto")
-    if m not in ("auto", "torch", "cpu"):
-        raise ValueError(f"KVARN_KERNEL must be 'auto', 'torch' or 'cpu', got {m!r}")
-    return m
-
-
-def take(why: str | None, what: str, optional: tuple[str, ...] = ()) -> bool:
-    """Whether a call takes a kernel that gave `why` (None: it can serve the call), by KVARN_KERNEL: torch never, auto
-    when it can, cpu always: a RuntimeError says why it cannot (`what`: which kernel and call), except for the reasons
-    in `optional`, where there is nothing for a kernel to do."""
-    m = mode()
-    if m == "torch":
-        return False
-    if why is None:
-        return True
-    if m == "cpu" and why not in optional:
-        raise RuntimeError(f"KVARN_KERNEL=cpu, but {what}: {why}")
-    return False
 
 
 def _machine_tag() -> str:

@@ -27,63 +27,67 @@ h * stride_head + b * stride_batch (`PackedTiles.cache` for the [B, H, n, ...] f
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+import kvarn.ops.seats  # noqa: F401 (declares torch.ops.kvarn.packed_decode)
 from kvarn.kernels.cpu.build import load
+from kvarn.ops.hadamard import hadamard_dense
+from kvarn.quant.tiles import AffineTiles
 
-FIELDS = ("codes", "row_scale", "row_zero", "col_scale", "rotated")
-ROTATE = {"none": 0, "hadamard": 1, "auto": 2}
 KERNEL_BITS = (1, 2, 4, 8)
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 DENSE_DTYPES = (torch.float16, torch.bfloat16)  # dense rows read in these dtypes as they are (others: float32)
 MIN_TILES_PER_SPLIT = 8
+SEAT = torch.ops.kvarn.packed_decode.default  # the op seat (kvarn.ops.seats); the C++ kernel serves CPU tensors
 
 _EMPTY = torch.empty(0)
 
 
 @dataclass(frozen=True)
 class PackedTiles:
-    """The packed fields of one tensor kind (keys per channel or values per token) and how to address them.
+    """The packed tiles of one tensor kind (keys per channel or values per token) and how to address them.
 
-    fields: codes [.., R, C*bits/8] uint8, row_scale [.., R], row_zero [.., R], col_scale [.., C] (VarN only),
-    rotated [..] uint8 (rotate="auto" only); strides[name] = (batch, head, block) strides in elements."""
+    tiles: `AffineTiles` with fields codes [.., R, C*bits/8] uint8, row_scale [.., R], row_zero [.., R], col_scale
+    [.., C] (VarN only), rotated [..] uint8 (rotate="auto" only); strides[i] = (batch, head, block) strides in
+    elements of the i-th field of `AffineTiles` (absent fields: zeros)."""
 
-    fields: Mapping[str, torch.Tensor]
-    strides: Mapping[str, tuple[int, int, int]]
-    bits: int
-    rotate: str
+    tiles: AffineTiles
+    strides: tuple[tuple[int, int, int], ...]
     capacity: int = 0  # blocks addressable (block_table entries must be below it)
 
-    @classmethod
-    def cache(cls, fields: Mapping[str, torch.Tensor], bits: int, rotate: str) -> PackedTiles:
-        """Fields [B, H, n, ...] (block_table[b, j] = j)."""
-        return cls(fields, {k: (v.stride(0), v.stride(1), v.stride(2)) for k, v in fields.items()}, bits, rotate,
-                   fields["codes"].shape[2])
+    @property
+    def bits(self) -> int:
+        return self.tiles.fmt.bits
+
+    @property
+    def rotate(self) -> str:
+        return self.tiles.fmt.rotate
 
     @classmethod
-    def pool(cls, fields: Mapping[str, torch.Tensor], bits: int, rotate: str) -> PackedTiles:
+    def cache(cls, tiles: AffineTiles) -> PackedTiles:
+        """Fields [B, H, n, ...] (block_table[b, j] = j)."""
+        return cls(tiles, _strides(tiles, lambda st: st[:3]), tiles.codes.shape[2])
+
+    @classmethod
+    def pool(cls, tiles: AffineTiles) -> PackedTiles:
         """Fields [num_blocks, H, ...] shared by every batch row (stride_batch = 0)."""
-        return cls(fields, {k: (0, v.stride(1), v.stride(0)) for k, v in fields.items()}, bits, rotate,
-                   fields["codes"].shape[0])
+        return cls(tiles, _strides(tiles, lambda st: (0, st[1], st[0])), tiles.codes.shape[0])
 
     def check(self, what: str, rows: int, cols: int) -> None:
         if self.bits not in KERNEL_BITS:
             raise ValueError(f"{what}: {self.bits}-bit codes are not supported by the fused kernel ({KERNEL_BITS})")
-        if self.rotate not in ROTATE:
-            raise ValueError(f"{what}: rotate must be one of {tuple(ROTATE)}, got {self.rotate!r}")
+        present = set(self.tiles.names())
         need = ["codes", "row_scale", "row_zero"] + (["rotated"] if self.rotate == "auto" else [])
         for name in need:
-            if name not in self.fields:
+            if name not in present:
                 raise ValueError(f"{what}: missing packed field {name!r}")
         inner = {"codes": (rows, cols * self.bits // 8), "row_scale": (rows,), "row_zero": (rows,),
                  "col_scale": (cols,), "rotated": ()}
-        for name, t in self.fields.items():
-            shape = inner.get(name)
-            if shape is None:
-                raise ValueError(f"{what}: unexpected packed field {name!r}")
+        for name, t in self.tiles.items():
+            shape = inner[name]
             k = len(shape)
             if k and (tuple(t.shape[-k:]) != shape or tuple(t.stride()[-k:]) != _contiguous_strides(shape)):
                 raise ValueError(f"{what}: field {name} must end in {shape}, contiguous within a tile; got shape "
@@ -94,9 +98,14 @@ class PackedTiles:
                                  f"{SCALE_DTYPES})")
 
     def args(self) -> tuple[list[torch.Tensor], list[int]]:
-        tensors = [self.fields.get(k, _EMPTY) for k in FIELDS]
-        strides = [s for k in FIELDS for s in self.strides.get(k, (0, 0, 0))]
-        return tensors, strides
+        t = self.tiles
+        tensors = [_EMPTY if v is None else v for v in (t.codes, t.row_scale, t.row_zero, t.col_scale, t.rotated)]
+        return tensors, [s for st in self.strides for s in st]
+
+
+def _strides(tiles: AffineTiles, of) -> tuple[tuple[int, int, int], ...]:
+    fields = (tiles.codes, tiles.row_scale, tiles.row_zero, tiles.col_scale, tiles.rotated)
+    return tuple((0, 0, 0) if v is None else of(v.stride()) for v in fields)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -148,8 +157,7 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
     [B, Hkv, M, D] each, already divided by the softmax sum. With `hadamard` (H float32 [D, D]) the kernel computes
     q~ = q H itself (qh unused) and returns (plain + rotated H, None): the rotation back, once per row.
     validate=False skips the field checks (callers that pass a store's own fields)."""
-    ext = load()
-    if ext is None:
+    if load() is None:
         raise RuntimeError("the fused CPU decode kernel is unavailable (see the warning above)")
     b, h, _, d = qs.shape
     if keys.rotate != "none" and qh is None and hadamard is None:
@@ -173,12 +181,13 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
         bias = _rows(bias).expand(b, *bias.shape[1:])
     s = splits or auto_splits(b, h, block_table.shape[1])
     h_arg = _EMPTY if hadamard is None else _f32(hadamard).contiguous()
-    out_p, out_r = ext.decode_attention(
-        qs, qh, h_arg, float(scale), kt, ks, keys.bits, ROTATE[keys.rotate], vt, vs, values.bits, ROTATE[values.rotate],
+    out_p, out_r = SEAT(
+        qs, qh, h_arg, float(scale), kt, ks, keys.bits, keys.tiles.fmt.rotation, vt, vs, values.bits,
+        values.tiles.fmt.rotation,
         _int32(block_table), _int32(n_blocks), tile, _int32(em).contiguous(), _f32(ek).contiguous(),
         _f32(ev).contiguous(), dk, dv, [p for _, _, p in dense], tiles_pos,
         _EMPTY if bias is None else bias, length, float(softcap or 0.0), s)
-    return out_p, (out_r if out_r is not None and out_r.numel() else None)
+    return out_p, (out_r if out_r.numel() else None)
 
 
 def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles, block_table: torch.Tensor,
@@ -192,17 +201,15 @@ def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles
     query [B, Hq, L, D] (any float dtype; computed in float32) -> float32 [B, Hq, L, D]. Hq must be a multiple of the
     KV heads of the fields; dense (k, v, position): k, v [B, Hkv, t, D] at positions position.. of the bias's T axis;
     tiles_pos: the position of tile 0."""
-    from kvarn.attention.packed import hadamard_for
-
     b, hq, length, d = query.shape
-    hkv = keys.fields["codes"].shape[1]
+    hkv = keys.tiles.codes.shape[1]
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     g = hq // hkv
     q = _f32(query).reshape(b, hkv, g * length, d)
     rotated = keys.rotate != "none" or values.rotate != "none"
     out, _ = decode_partial(q, None, keys, values, block_table, n_blocks, tile, length, dense, tiles_pos, bias,
-                            softcap, exact, splits, hadamard_for(d) if rotated else None,
+                            softcap, exact, splits, hadamard_dense(d) if rotated else None,
                             d ** -0.5 if scaling is None else scaling, validate)
     return out.reshape(b, hq, length, d)
 

@@ -26,58 +26,46 @@ from __future__ import annotations
 import torch
 
 from kvarn.kernels.cpu.build import error, load
-from kvarn.quant.policy import query_weighted, squared_error
+from kvarn.ops.codes import DTYPE_CODES
 
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STORE_BITS = (1, 2, 4, 8)
-ROTATE = {"none": 0, "hadamard": 1, "auto": 2}
-WEIGHTED = {query_weighted: True, squared_error: False}  # policy -> whether it reads the weight
 
 _EMPTY = torch.empty(0)
 
 
-def unsupported(quantizer, x: torch.Tensor) -> str | None:
-    """Why the kernel cannot encode x [N, G, D] with this AffineQuantizer (None: it can)."""
-    c = quantizer.config
+def unsupported(x: torch.Tensor, bits: int, channel: bool, varn: bool, varn_iters: int, scale_dtype: torch.dtype,
+                col_dtype: torch.dtype | None, policy_known: bool, policy_name: object = None) -> str | None:
+    """Why the kernel cannot encode x [N, G, D] in this format (None: it can). col_dtype: VarN column scales (None
+    without VarN); policy_known: rotate is not "auto", or its policy is one the kernel computes (query, mse)."""
     if x.device.type != "cpu" or x.dtype not in INPUT_DTYPES:
         return f"tiles on {x.device.type} in {x.dtype}"
-    if c.bits not in STORE_BITS:
-        return f"{c.bits}-bit codes"
-    if c.scale_dtype not in DTYPE_CODES:
-        return f"row scales in {c.scale_dtype}"
-    col = c.col_scale_dtype or c.scale_dtype
-    if c.varn and col not in DTYPE_CODES:
-        return f"column scales in {col}"
-    cols = x.shape[1] if c.axis == "channel" else x.shape[2]
-    if cols % (8 // c.bits):
-        return f"{cols} columns do not fill bytes of {c.bits}-bit codes"
-    if c.varn and (min(x.shape[1], x.shape[2]) < 2 or c.varn_iters < 0):
+    if bits not in STORE_BITS:
+        return f"{bits}-bit codes"
+    if scale_dtype not in DTYPE_CODES:
+        return f"row scales in {scale_dtype}"
+    if varn and col_dtype not in DTYPE_CODES:
+        return f"column scales in {col_dtype}"
+    cols = x.shape[1] if channel else x.shape[2]
+    if cols % (8 // bits):
+        return f"{cols} columns do not fill bytes of {bits}-bit codes"
+    if varn and (min(x.shape[1], x.shape[2]) < 2 or varn_iters < 0):
         return "VarN needs tiles of at least 2 x 2 and iters >= 0"
-    if c.rotate == "auto" and quantizer.policy not in WEIGHTED:
-        return f"rotation policy {getattr(quantizer.policy, '__name__', quantizer.policy)!r} (kernel: query, mse)"
+    if not policy_known:
+        return f"rotation policy {policy_name!r} (kernel: query, mse)"
     if load() is None:
         return f"the extension is unavailable ({error()})"
     return None
 
 
-def store_tiles(quantizer, x: torch.Tensor, weight: torch.Tensor | None = None
-                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+def store_tiles(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel: bool, rotate: int, varn: bool,
+                varn_iters: int, scale_code: int, col_code: int, relative: bool) -> tuple[torch.Tensor, ...]:
     """The fields of `AffineQuantizer.encode` for x [N, G, D] (shapes checked by the caller; `unsupported` is None):
-    codes [N, R, C*b/8] uint8, row_scale, row_zero [N, R], col_scale [N, C] (VarN), rotated [N] uint8 (auto); and
-    [N] bool: input_finite (a tile holding NaN/Inf is encoded as zeros) and fields_finite (`Packed.finite_tiles`)."""
-    c = quantizer.config
-    col = c.col_scale_dtype or c.scale_dtype
-    relative = c.varn and c.col_scale_dtype is not None and col.itemsize == 1
+    codes [N, R, C*b/8] uint8, row_scale, row_zero [N, R], col_scale [N, C] (VarN, else None), rotated [N] uint8
+    (auto, else None); and [N] bool: input_finite (a tile holding NaN/Inf is encoded as zeros) and fields_finite
+    (`Tiles.finite_tiles`). weight [N, D]: the policy's channel weights (None: unweighted squared error); rotate:
+    `kvarn.ops.codes.Rotation`; scale_code, col_code: `DTYPE_CODES`; relative: `relative_col_scales`."""
     w = _EMPTY
-    if c.rotate == "auto" and weight is not None and WEIGHTED[quantizer.policy]:
+    if weight is not None:
         w = weight if weight.dtype == torch.float32 and weight.is_contiguous() else weight.float().contiguous()
-    codes, a, z, t, rot, finite_in, finite_out = load().store_tiles(
-        x, w, c.bits, c.axis == "channel", ROTATE[c.rotate], c.varn, c.varn_iters,
-        DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(col, 0), relative)
-    out = {"codes": codes, "row_scale": a, "row_zero": z}
-    if t is not None:
-        out["col_scale"] = t
-    if rot is not None:
-        out["rotated"] = rot
-    return out, finite_in, finite_out
+    return tuple(load().store_tiles(x, w, bits, channel, rotate, varn, varn_iters, scale_code, col_code, relative))

@@ -70,8 +70,8 @@ def packed_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
         raise ValueError("packed_decode needs keys and values stored with the same boundaries (sink, tiles, tail)")
     _refuse(kv, "keys")
     _refuse(vv, "values")
-    keys = TileFields.from_cache(kv.packed.fields, kv.quantizer)
-    values = TileFields.from_cache(vv.packed.fields, vv.quantizer)
+    keys = TileFields.from_cache(kv.packed)
+    values = TileFields.from_cache(vv.packed)
     b = query.shape[0]
     table = torch.arange(kv.n_tiles, dtype=torch.int32, device=query.device).expand(b, -1)
     n_blocks = torch.full((b,), kv.n_tiles, dtype=torch.int32, device=query.device)

@@ -10,10 +10,11 @@ bits, D and G powers of two >= 16. Tensors must be on CUDA, or on the CPU under 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,14 +24,15 @@ import triton
 from kvarn.kernels.triton.kernels.codes import pack_kernel, unpack_kernel
 from kvarn.kernels.triton.kernels.decode import decode_split_kernel
 from kvarn.kernels.triton.kernels.store import store_tiles_kernel
-from kvarn.ops.hadamard import hadamard_matrix
+from kvarn.ops.codes import Rotation
+from kvarn.ops.hadamard import hadamard_dense
 from kvarn.ops.packing import pack_codes
-from kvarn.quant.affine import AffineQuantizer
-from kvarn.quant.base import Packed
+from kvarn.quant.affine import decode_tiles
+from kvarn.quant.policy import query_weighted, squared_error
+from kvarn.quant.tiles import AffineFormat, AffineTiles
 
-Layout = Literal["cache", "pool"]
+Layout = Literal["cache", "pool", "strided"]
 Precision = Literal["ieee", "tf32"]
-ROTATE_MODE = {"none": 0, "hadamard": 1, "auto": 2}
 SUPPORTED_BITS = (2, 4)
 NUM_WARPS = 8  # a program holds [D, G] float32 code tiles (64 KiB at D = G = 128): 8 warps keep them in registers
 
@@ -84,43 +86,59 @@ class TileFields:
     rotate: str
     axis: str  # the quantizer's rows: "channel" (keys) or "token" (values)
     layout: Layout
+    fmt: AffineFormat | None = None  # the tiles' format (scale dtypes, tile, head_dim); the store needs it
+    strides: tuple[int, ...] = ()  # layout "strided": (batch, head, block) element strides of the 5 fields
 
     @classmethod
-    def of(cls, fields: Mapping[str, torch.Tensor], quantizer: AffineQuantizer, layout: Layout) -> TileFields:
-        if not isinstance(quantizer, AffineQuantizer):
-            raise TypeError(f"the Triton kernels read AffineQuantizer tiles, not {type(quantizer).__name__}")
-        c = quantizer.config
+    def strided(cls, fields: Sequence[torch.Tensor], strides: Sequence[int], bits: int, rotate: int,
+                axis: str) -> TileFields:
+        """The decode seat's arguments (`kvarn.ops.seats`): fields codes, row_scale, row_zero, col_scale, rotated
+        (empty: absent) with (batch, head, block) element strides each."""
+        opt = [t if t.numel() else None for t in fields]
+        return cls(opt[0], opt[1], opt[2], opt[3], opt[4], bits, Rotation(rotate).name.lower(), axis, "strided",
+                   strides=tuple(strides))
+
+    @classmethod
+    def of(cls, tiles: AffineTiles, layout: Layout) -> TileFields:
+        if not isinstance(tiles, AffineTiles):
+            raise TypeError(f"the Triton kernels read AffineTiles, not {type(tiles).__name__}")
+        c = tiles.fmt
         if c.bits not in SUPPORTED_BITS:
             raise ValueError(f"the Triton kernels support {SUPPORTED_BITS}-bit codes, not {c.bits}")
         lead = 3 if layout == "cache" else 2
-        codes = fields["codes"]
+        codes = tiles.codes
         if codes.dtype != torch.uint8 or codes.dim() != lead + 2:
             raise ValueError(f"codes must be uint8 with {lead} leading axes ({layout} layout), got "
                              f"{codes.dtype} {tuple(codes.shape)}")
-        for name, t in fields.items():
+        for name, t in tiles.items():
             inner = t.stride()[lead:]
             want = [math.prod(t.shape[lead + i + 1:]) for i in range(len(inner))]
             if list(inner) != want:
                 raise ValueError(f"field {name!r} must be contiguous past its {lead} leading axes, strides "
                                  f"{t.stride()} for shape {tuple(t.shape)}")
-        return cls(codes, fields["row_scale"], fields["row_zero"], fields.get("col_scale"), fields.get("rotated"),
-                   c.bits, c.rotate, c.axis, layout)
+        return cls(codes, tiles.row_scale, tiles.row_zero, tiles.col_scale, tiles.rotated, c.bits, c.rotate, c.axis,
+                   layout, c)
 
     @classmethod
-    def from_cache(cls, fields: Mapping[str, torch.Tensor], quantizer: AffineQuantizer) -> TileFields:
+    def from_cache(cls, tiles: AffineTiles) -> TileFields:
         """Fields [B, H, n, ...] of the transformers cache (block_table[b, j] = j)."""
-        return cls.of(fields, quantizer, "cache")
+        return cls.of(tiles, "cache")
 
     @classmethod
-    def from_pool(cls, fields: Mapping[str, torch.Tensor], quantizer: AffineQuantizer) -> TileFields:
+    def from_pool(cls, tiles: AffineTiles) -> TileFields:
         """Fields [num_blocks, H, ...] of a paged pool (block_table[b, j] = pool block)."""
-        return cls.of(fields, quantizer, "pool")
+        return cls.of(tiles, "pool")
 
     def args(self, t: torch.Tensor | None) -> tuple:
         """(tensor, stride_batch, stride_block, stride_head) of one field; an absent field passes the codes with
         zero strides (the kernel never reads it: its constexpr flag is off)."""
         if t is None:
             return self.codes, 0, 0, 0
+        if self.layout == "strided":
+            i = next(i for i, f in enumerate((self.codes, self.row_scale, self.row_zero, self.col_scale,
+                                                self.rotated)) if f is t)
+            sb, sh, sn = self.strides[3 * i:3 * i + 3]
+            return t, sb, sn, sh
         if self.layout == "cache":
             return t, t.stride(0), t.stride(2), t.stride(1)
         return t, 0, t.stride(0), t.stride(1)
@@ -216,8 +234,8 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
         qp, qrp, qp.stride(0), qp.stride(1), bt, bt.stride(0), n_blocks.contiguous(),
         *keys.all_args(), *values.all_args(),
         m_part, l_part, acc_r, acc_p, h, s, bps,
-        MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=ROTATE_MODE[keys.rotate],
-        VROT=ROTATE_MODE[values.rotate], KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
+        MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=int(Rotation.of(keys.rotate)),
+        VROT=int(Rotation.of(values.rotate)), KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
         PLANES=code_layout(), PREC=1 if precision == "tf32" else 0, num_warps=NUM_WARPS,
     )
     return m_part[..., :m], l_part[..., :m], acc_r[..., :m, :], acc_p[..., :m, :]
@@ -263,20 +281,13 @@ def decode_attention(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileFiel
 
 
 # -- tile store ----------------------------------------------------------------------------------------------------
-_HM: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
 def hadamard_f32(d: int, device: torch.device) -> torch.Tensor:
-    """The orthonormal Hadamard matrix of `ops.hadamard` [D, D] float32, cached per size and device."""
-    key = (d, device)
-    if key not in _HM:
-        _HM[key] = hadamard_matrix(d, torch.float64, device).float().contiguous()
-    return _HM[key]
+    """The orthonormal Hadamard matrix of `ops.hadamard` [D, D] float32 (`hadamard_dense`)."""
+    return hadamard_dense(d, torch.float32, device)
 
 
-def _check_store(quantizer: AffineQuantizer, x: torch.Tensor) -> None:
-    c = quantizer.config
-    if c.scale_dtype.itemsize == 1 or (c.col_scale_dtype is not None and c.col_scale_dtype.itemsize == 1):
+def _check_store(c: AffineFormat, x: torch.Tensor) -> None:
+    if c.scale_dtype.itemsize == 1 or (c.col_dtype is not None and c.col_dtype.itemsize == 1):
         raise ValueError("the Triton store kernel writes 16/32-bit scales; 8-bit scales (fp8 presets, kvarn-auto's "
                          "relative column scales) are not supported yet: store with AffineQuantizer.encode")
     if x.dim() != 4 or x.shape[2] != c.tile or not x.is_floating_point():
@@ -285,9 +296,9 @@ def _check_store(quantizer: AffineQuantizer, x: torch.Tensor) -> None:
     _pow2(c.tile, "the tile size G")
 
 
-def _launch_store(x: torch.Tensor, quantizer: AffineQuantizer, out: TileFields, dst: torch.Tensor, rot: int,
+def _launch_store(x: torch.Tensor, out: TileFields, varn: bool, varn_iters: int, dst: torch.Tensor, rot: int,
                   flag: torch.Tensor | None) -> None:
-    c = quantizer.config
+    c = out.fmt
     n, h, g, d = x.shape
     channel = c.axis == "channel"
     hm = hadamard_f32(d, x.device) if rot else x
@@ -295,52 +306,40 @@ def _launch_store(x: torch.Tensor, quantizer: AffineQuantizer, out: TileFields, 
     store_tiles_kernel[(n * h,)](
         x, x.stride(0), x.stride(1), x.stride(2), dst, fl, hm, *out.all_args(), h,
         D=d, G=g, R=d if channel else g, C=g if channel else d, BITS=c.bits, AXIS_CHANNEL=channel, ROT=rot,
-        VARN=c.varn, ITERS=c.varn_iters, WRITE_FLAG=out.rotated is not None, PLANES=code_layout(),
+        VARN=varn, ITERS=varn_iters, WRITE_FLAG=out.rotated is not None, PLANES=code_layout(),
         num_warps=NUM_WARPS,
     )
 
 
-def _scratch(quantizer: AffineQuantizer, n: int, h: int, d: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Empty fields [n, h, 1, ...] (cache layout) for one candidate encoding of n x h tiles."""
-    c = quantizer.config
-    r, cols = (d, c.tile) if c.axis == "channel" else (c.tile, d)
-    f = {"codes": torch.empty(n, h, 1, r, cols * c.bits // 8, dtype=torch.uint8, device=device),
-         "row_scale": torch.empty(n, h, 1, r, dtype=c.scale_dtype, device=device),
-         "row_zero": torch.empty(n, h, 1, r, dtype=c.scale_dtype, device=device)}
-    if c.varn:
-        f["col_scale"] = torch.empty(n, h, 1, cols, dtype=c.col_scale_dtype or c.scale_dtype, device=device)
-    return f
-
-
-def store_tiles(x: torch.Tensor, quantizer: AffineQuantizer, out: TileFields, dst: torch.Tensor,
-                weight: torch.Tensor | None = None) -> None:
-    """Quantize tiles x [N, H, G, D] (token-major) and write them into `out` at block dst[n] (int32 [N]) for tile
-    n (cache layout: batch row n, tile index dst[n]; pool layout: pool block dst[n]). rotate="auto": both
-    candidates are encoded, decoded in torch and the quantizer's policy picks per tile (weight [N, H, D]: the
-    running query energy, or None), then the chosen one is written with its flag: three launches, no host sync."""
-    _check_store(quantizer, x)
+def store_tiles(x: torch.Tensor, out: TileFields, dst: torch.Tensor, varn: bool, varn_iters: int,
+                weight: torch.Tensor | None = None, weighted: bool = True) -> None:
+    """Quantize tiles x [N, H, G, D] (token-major) in `out`'s format and write them into `out` at block dst[n]
+    (int32 [N]) for tile n (cache layout: batch row n, tile index dst[n]; pool layout: pool block dst[n]); varn,
+    varn_iters: VarN and its iterations (AffineConfig). rotate="auto": both candidates are encoded, decoded in torch
+    (`decode_tiles`) and the policy picks per tile (weighted: query, weight [N, H, D] the running query energy or
+    None; else mse), then the chosen one is written with its flag: three launches, no host sync."""
+    _check_store(out.fmt, x)
     if dst.dtype != torch.int32 or dst.shape != (x.shape[0],):
         raise ValueError(f"dst must be int32 [N={x.shape[0]}], got {dst.dtype} {tuple(dst.shape)}")
     if out.heads != x.shape[1]:
         raise ValueError(f"x has {x.shape[1]} heads, the fields {out.heads}")
     _check_device(x, out.codes, dst)
     x = x if x.stride(3) == 1 else x.contiguous()
-    rotate = quantizer.config.rotate
-    if rotate != "auto":
-        _launch_store(x, quantizer, out, dst, ROTATE_MODE[rotate], None)
+    if out.rotate != "auto":
+        _launch_store(x, out, varn, varn_iters, dst, int(out.fmt.rotation), None)
         return
     n, h, g, d = x.shape
     zero = torch.zeros(n, dtype=torch.int32, device=x.device)
     cand = []
     for rot in (1, 0):
-        f = _scratch(quantizer, n, h, d, x.device)
-        scratch = TileFields(f["codes"], f["row_scale"], f["row_zero"], f.get("col_scale"), None,
-                             quantizer.config.bits, "none", quantizer.config.axis, "cache")
-        _launch_store(x, quantizer, scratch, zero, rot, None)
-        flat = {k: v.flatten(0, 2) for k, v in f.items()}
-        flat["rotated"] = torch.full((n * h,), rot, dtype=torch.uint8, device=x.device)
-        cand.append(quantizer.decode(Packed(flat)))
-    w = weight.reshape(n * h, d) if weight is not None else None
-    keep = quantizer.policy(x.reshape(n * h, g, d).float(), cand[0], cand[1], w)
-    _launch_store(x, quantizer, out, dst, 2, keep.to(torch.uint8).contiguous())
+        f = out.fmt.empty((n, h, 1), x.device)  # one candidate encoding, cache layout
+        scratch = TileFields(f.codes, f.row_scale, f.row_zero, f.col_scale, None, f.fmt.bits, "none", f.fmt.axis,
+                             "cache", f.fmt)
+        _launch_store(x, scratch, varn, varn_iters, zero, rot, None)
+        flags = torch.full((n * h,), rot, dtype=torch.uint8, device=x.device)
+        cand.append(decode_tiles(dataclasses.replace(f.flatten(3), rotated=flags)))
+    w = weight.reshape(n * h, d) if weight is not None and weighted else None
+    policy = query_weighted if weighted else squared_error
+    keep = policy(x.reshape(n * h, g, d).float(), cand[0], cand[1], w)
+    _launch_store(x, out, varn, varn_iters, dst, 2, keep.to(torch.uint8).contiguous())
 

@@ -22,13 +22,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from kvarn.ops.hadamard import hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
-from kvarn.quant.base import Packed, TileQuantizer, check_tiles
+from kvarn.quant.base import TileQuantizer, check_tiles
+from kvarn.quant.tiles import Tiles
+
+
+@dataclass(frozen=True)
+class GroupTiles(Tiles):
+    """Per-token RTN in groups (`TokenRTN`): codes [N, G, D*b/8] uint8, scale, zero [N, G, D/group]."""
+
+    codes: torch.Tensor | None
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
 
 
 def work(x: torch.Tensor) -> torch.Tensor:
@@ -86,6 +97,8 @@ def clipped_rtn(x: torch.Tensor, bits: int, clip: float | None = None
 class TokenRTN(TileQuantizer):
     """Per-token asymmetric RTN in groups of channels, optionally rotated (Hadamard) and clipped (QuaRot)."""
 
+    tiles_type = GroupTiles
+
     def __init__(self, bits: int, head_dim: int, group: int | None = None, tile: int = 1, rotate: bool = False,
                  clip: float | None = None, scale_dtype: torch.dtype = torch.float16, name: str = "token-rtn") -> None:
         self.bits = check_bits(bits)
@@ -98,21 +111,20 @@ class TokenRTN(TileQuantizer):
         self.clip = check_clip(clip)
         self.scale_dtype, self.name = scale_dtype, name
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def encode(self, x: torch.Tensor) -> GroupTiles:
         check_tiles(x, self.tile, self.head_dim)
         w = work(x)
         if self.rotate:
             w = hadamard_transform(w)
         n, g, d = w.shape
         q, delta, lo = clipped_rtn(w.reshape(n, g, d // self.group, self.group), self.bits, self.clip)
-        return Packed({"codes": pack_codes(q.reshape(n, g, d), self.bits),
-                       "scale": delta.squeeze(-1).to(self.scale_dtype),
-                       "zero": lo.squeeze(-1).to(self.scale_dtype)})
+        return GroupTiles(pack_codes(q.reshape(n, g, d), self.bits), delta.squeeze(-1).to(self.scale_dtype),
+                          lo.squeeze(-1).to(self.scale_dtype))
 
-    def decode(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        scale, zero = packed["scale"], packed["zero"]
+    def decode(self, packed: GroupTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scale, zero = packed.scale, packed.zero
         ft = decode_dtype(scale)
-        q = unpack_codes(packed["codes"], self.bits)  # [N, G, D]
+        q = unpack_codes(packed.codes, self.bits)  # [N, G, D]
         n, g, d = q.shape
         x = q.to(ft).reshape(n, g, d // self.group, self.group) * scale.to(ft).unsqueeze(-1) + zero.to(ft).unsqueeze(-1)
         x = x.reshape(n, g, d)

@@ -20,16 +20,18 @@ tokens kept in full precision, values in a sliding window of 128 full-precision 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
-from kvarn.quant.base import Packed, TileQuantizer, check_tiles
+from kvarn.quant.base import TileQuantizer, check_tiles
 from kvarn.quant.baselines.common import decode_dtype, dtype_name, index_dtype, work
 from kvarn.quant.baselines.kivi import RESIDUAL, kivi_value
 from kvarn.quant.baselines.spec import PresetEntry, PresetSpec
 from kvarn.quant.cache_policy import CachePolicy
+from kvarn.quant.tiles import Tiles
 
 
 def promoted_count(head_dim: int, ratio: float) -> int:
@@ -39,8 +41,24 @@ def promoted_count(head_dim: int, ratio: float) -> int:
     return int(head_dim * ratio + 1e-6)
 
 
+@dataclass(frozen=True)
+class KittyTiles(Tiles):
+    """Kitty key tiles (`KittyKeyQuantizer`): promoted channels [N, k]; per part (low: D - k channels at `bits`, high:
+    k channels at `high_bits`) codes [N, rows, G*b/8] uint8, scale, zero [N, rows]."""
+
+    channels: torch.Tensor | None
+    low_codes: torch.Tensor | None
+    low_scale: torch.Tensor | None
+    low_zero: torch.Tensor | None
+    high_codes: torch.Tensor | None
+    high_scale: torch.Tensor | None
+    high_zero: torch.Tensor | None
+
+
 class KittyKeyQuantizer(TileQuantizer):
     """Per-channel key RTN over G-token tiles; the top-k channels by mean |K| of each tile get `high_bits`."""
+
+    tiles_type = KittyTiles
 
     def __init__(self, head_dim: int, bits: int = 2, high_bits: int = 4, ratio: float = 0.1, tile: int = 128,
                  scale_dtype: torch.dtype = torch.float16) -> None:
@@ -59,28 +77,29 @@ class KittyKeyQuantizer(TileQuantizer):
         mask.scatter_(1, promoted.long(), 1)
         return torch.sort(mask, dim=1, stable=True).indices
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def encode(self, x: torch.Tensor) -> KittyTiles:
         check_tiles(x, self.tile, self.head_dim)
         rows = work(x).transpose(-1, -2)  # [N, D, G]
         promoted = rows.abs().mean(dim=-1).topk(self.k, dim=-1).indices.sort(dim=-1).values  # [N, k]
         order = self._order(promoted)
         rows = rows.gather(1, order.unsqueeze(-1).expand_as(rows))
         low, high = rows[:, : self.head_dim - self.k], rows[:, self.head_dim - self.k:]
-        out = {"channels": promoted.to(index_dtype(self.head_dim))}
-        for part, bits, name in ((low, self.bits, "low"), (high, self.high_bits, "high")):
+        out = [promoted.to(index_dtype(self.head_dim))]
+        for part, bits in ((low, self.bits), (high, self.high_bits)):
             q, delta, lo = rtn_quantize(part, bits)
-            out |= {f"{name}_codes": pack_codes(q, bits), f"{name}_scale": delta.squeeze(-1).to(self.scale_dtype),
-                    f"{name}_zero": lo.squeeze(-1).to(self.scale_dtype)}
-        return Packed(out)
+            out += [pack_codes(q, bits), delta.squeeze(-1).to(self.scale_dtype), lo.squeeze(-1).to(self.scale_dtype)]
+        return KittyTiles(*out)
 
-    def decode(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        ft = decode_dtype(packed["low_scale"])
+    def decode(self, packed: KittyTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        p = packed
+        ft = decode_dtype(p.low_scale)
         parts = []
-        for bits, name in ((self.bits, "low"), (self.high_bits, "high")):
-            q = unpack_codes(packed[f"{name}_codes"], bits).to(ft)
-            parts.append(q * packed[f"{name}_scale"].to(ft).unsqueeze(-1) + packed[f"{name}_zero"].to(ft).unsqueeze(-1))
+        for bits, codes, scale, zero in ((self.bits, p.low_codes, p.low_scale, p.low_zero),
+                                         (self.high_bits, p.high_codes, p.high_scale, p.high_zero)):
+            q = unpack_codes(codes, bits).to(ft)
+            parts.append(q * scale.to(ft).unsqueeze(-1) + zero.to(ft).unsqueeze(-1))
         ordered = torch.cat(parts, dim=1)  # [N, D, G] in the stored channel order
-        order = self._order(packed["channels"])
+        order = self._order(p.channels)
         rows = torch.empty_like(ordered).scatter_(1, order.unsqueeze(-1).expand_as(ordered), ordered)
         return rows.transpose(-1, -2).to(dtype)
 

@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
-from kvarn.quant.base import Packed, TileQuantizer, check_tiles
+from kvarn.quant.base import TileQuantizer, check_tiles
 from kvarn.quant.baselines.common import decode_dtype, dtype_name, index_dtype, work
 from kvarn.quant.baselines.spec import PresetEntry, PresetSpec
 from kvarn.quant.cache_policy import CachePolicy
+from kvarn.quant.tiles import Tiles
 
 
 def outlier_count(fraction: float, n: int) -> int:
@@ -51,8 +53,22 @@ def outlier_count(fraction: float, n: int) -> int:
     return k
 
 
+@dataclass(frozen=True)
+class DenseSparseTiles(Tiles):
+    """Dense-and-sparse rows (`DenseSparseRTN`): codes [N, R, C*b/8] uint8, scale, zero [N, R], outliers [N, R, k],
+    outlier_index [N, R, k] (their columns, ascending)."""
+
+    codes: torch.Tensor | None
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+    outliers: torch.Tensor | None
+    outlier_index: torch.Tensor | None
+
+
 class DenseSparseRTN(TileQuantizer):
     """RTN per row with k sparse fp16 outliers per row; `axis` picks the rows (keys: channel, values: token)."""
+
+    tiles_type = DenseSparseTiles
 
     def __init__(self, bits: int, head_dim: int, axis: Literal["channel", "token"], tile: int,
                  fraction: float = 0.01, scale_dtype: torch.dtype = torch.float16,
@@ -71,7 +87,7 @@ class DenseSparseRTN(TileQuantizer):
     def _rows(self, w: torch.Tensor) -> torch.Tensor:
         return w.transpose(-1, -2) if self.axis == "channel" else w
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def encode(self, x: torch.Tensor) -> DenseSparseTiles:
         check_tiles(x, self.tile, self.head_dim)
         rows = self._rows(work(x))  # [N, R, C]
         dev = (rows - rows.mean(dim=-1, keepdim=True)).abs()
@@ -79,17 +95,16 @@ class DenseSparseRTN(TileQuantizer):
         outlier = torch.zeros_like(rows, dtype=torch.bool).scatter_(-1, idx, True)
         inlier_min = rows.masked_fill(outlier, float("inf")).amin(dim=-1, keepdim=True)
         q, delta, lo = rtn_quantize(torch.where(outlier, inlier_min, rows), self.bits)
-        return Packed({"codes": pack_codes(q, self.bits), "scale": delta.squeeze(-1).to(self.scale_dtype),
-                       "zero": lo.squeeze(-1).to(self.scale_dtype),
-                       "outliers": rows.gather(-1, idx).to(self.outlier_dtype),
-                       "outlier_index": idx.to(index_dtype(self.row_len))})
+        return DenseSparseTiles(pack_codes(q, self.bits), delta.squeeze(-1).to(self.scale_dtype),
+                                lo.squeeze(-1).to(self.scale_dtype), rows.gather(-1, idx).to(self.outlier_dtype),
+                                idx.to(index_dtype(self.row_len)))
 
-    def decode(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        scale = packed["scale"]
+    def decode(self, packed: DenseSparseTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scale = packed.scale
         ft = decode_dtype(scale)
-        q = unpack_codes(packed["codes"], self.bits).to(ft)  # [N, R, C]
-        rows = q * scale.to(ft).unsqueeze(-1) + packed["zero"].to(ft).unsqueeze(-1)
-        rows.scatter_(-1, packed["outlier_index"].long(), packed["outliers"].to(ft))
+        q = unpack_codes(packed.codes, self.bits).to(ft)  # [N, R, C]
+        rows = q * scale.to(ft).unsqueeze(-1) + packed.zero.to(ft).unsqueeze(-1)
+        rows.scatter_(-1, packed.outlier_index.long(), packed.outliers.to(ft))
         return self._rows(rows).to(dtype)
 
     def describe(self) -> Mapping[str, object]:

@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import RANGE_GUARD, check_bits
-from kvarn.quant.base import Packed, TileQuantizer, check_tiles
+from kvarn.quant.base import TileQuantizer, check_tiles
 from kvarn.quant.baselines.common import TokenRTN, decode_dtype, dtype_name, work
 from kvarn.quant.baselines.spec import PresetEntry, PresetSpec
 from kvarn.quant.cache_policy import CachePolicy
+from kvarn.quant.tiles import Tiles
 
 
 def bin_quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,8 +52,23 @@ def bin_dequantize(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> to
     return (q.to(scale.dtype) + 0.5) * scale + lo
 
 
+@dataclass(frozen=True)
+class PolarTiles(Tiles):
+    """Polar key tiles (`PolarKeyQuantizer`): radius and angle codes [N, D/2, G*b/8] uint8, their scale and min
+    [N, D/2]."""
+
+    radius_codes: torch.Tensor | None
+    angle_codes: torch.Tensor | None
+    radius_scale: torch.Tensor | None
+    radius_min: torch.Tensor | None
+    angle_scale: torch.Tensor | None
+    angle_min: torch.Tensor | None
+
+
 class PolarKeyQuantizer(TileQuantizer):
     """Keys in polar form per RoPE pair (d, d + D/2): radius and angle binned per pair over a G-token tile."""
+
+    tiles_type = PolarTiles
 
     def __init__(self, head_dim: int, radius_bits: int = 4, angle_bits: int = 4, tile: int = 128,
                  scale_dtype: torch.dtype = torch.float16) -> None:
@@ -64,7 +81,7 @@ class PolarKeyQuantizer(TileQuantizer):
         self.head_dim, self.tile, self.scale_dtype = head_dim, tile, scale_dtype
         self.name = f"polar-r{radius_bits}t{angle_bits}"
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def encode(self, x: torch.Tensor) -> PolarTiles:
         check_tiles(x, self.tile, self.head_dim)
         w = work(x)
         a, b = w.chunk(2, dim=-1)  # [N, G, D/2] each: the rotate_half pairs
@@ -74,20 +91,20 @@ class PolarKeyQuantizer(TileQuantizer):
         sd = self.scale_dtype
         qr, sr, lr = bin_quantize(rho, self.radius_bits)
         qt, st, lt = bin_quantize(phi, self.angle_bits)
-        return Packed({"radius_codes": pack_codes(qr, self.radius_bits), "angle_codes": pack_codes(qt, self.angle_bits),
-                       "radius_scale": sr.squeeze(-1).to(sd), "radius_min": lr.squeeze(-1).to(sd),
-                       "angle_scale": st.squeeze(-1).to(sd), "angle_min": lt.squeeze(-1).to(sd)})
+        return PolarTiles(pack_codes(qr, self.radius_bits), pack_codes(qt, self.angle_bits), sr.squeeze(-1).to(sd),
+                          lr.squeeze(-1).to(sd), st.squeeze(-1).to(sd), lt.squeeze(-1).to(sd))
 
-    def decode(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        ft = decode_dtype(packed["radius_scale"])
+    def decode(self, packed: PolarTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        p = packed
+        ft = decode_dtype(p.radius_scale)
 
-        def field(name: str) -> torch.Tensor:
-            return packed[name].to(ft).unsqueeze(-1)
+        def field(t: torch.Tensor) -> torch.Tensor:
+            return t.to(ft).unsqueeze(-1)
 
-        rho = bin_dequantize(unpack_codes(packed["radius_codes"], self.radius_bits), field("radius_scale"),
-                             field("radius_min"))  # [N, D/2, G]
-        phi = bin_dequantize(unpack_codes(packed["angle_codes"], self.angle_bits), field("angle_scale"),
-                             field("angle_min"))
+        rho = bin_dequantize(unpack_codes(p.radius_codes, self.radius_bits), field(p.radius_scale),
+                             field(p.radius_min))  # [N, D/2, G]
+        phi = bin_dequantize(unpack_codes(p.angle_codes, self.angle_bits), field(p.angle_scale),
+                             field(p.angle_min))
         return torch.cat([rho * phi.cos(), rho * phi.sin()], dim=-2).transpose(-1, -2).to(dtype)
 
     def describe(self) -> Mapping[str, object]:

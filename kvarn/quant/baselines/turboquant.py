@@ -28,16 +28,18 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits
-from kvarn.quant.base import Packed, TileQuantizer, check_tiles
+from kvarn.quant.base import TileQuantizer, check_tiles
 from kvarn.quant.baselines.common import decode_dtype, dtype_name, work
 from kvarn.quant.baselines.spec import PresetEntry, PresetSpec
 from kvarn.quant.cache_policy import CachePolicy
+from kvarn.quant.tiles import Tiles
 
 LLOYD_GRID = 1 << 20  # cells of the tabulated density; centroids land far below 1e-6 sigma of the exact ones
 LLOYD_TOL = 1e-12  # stop when no centroid moves more than this many sigmas
@@ -103,8 +105,21 @@ def _matmul(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return (x.reshape(-1, x.shape[-1]) @ m).reshape(*x.shape[:-1], m.shape[-1])
 
 
+@dataclass(frozen=True)
+class TurboTiles(Tiles):
+    """TurboQuant tokens (`TurboQuantizer`): codes [N, G, D*b/8] uint8, norm [N, G]; with QJL signs [N, G, D/8] uint8
+    and residual_norm [N, G]."""
+
+    codes: torch.Tensor | None
+    norm: torch.Tensor | None
+    signs: torch.Tensor | None = None
+    residual_norm: torch.Tensor | None = None
+
+
 class TurboQuantizer(TileQuantizer):
     """Random rotation, fp16 norm, Lloyd–Max codes per coordinate; optional 1-bit QJL residual."""
+
+    tiles_type = TurboTiles
 
     def __init__(self, head_dim: int, bits: int = 3, qjl: bool = False, seed: int = 0, tile: int = 1,
                  norm_dtype: torch.dtype = torch.float16) -> None:
@@ -133,28 +148,28 @@ class TurboQuantizer(TileQuantizer):
                                       (cb, 0.5 * (cb[1:] + cb[:-1]), self.rotation, sk))
         return self._consts[key]
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def encode(self, x: torch.Tensor) -> TurboTiles:
         check_tiles(x, self.tile, self.head_dim)
         w = work(x)
         cb, bounds, rot, sk = self._constants(w.device, w.dtype)
         norm = torch.linalg.vector_norm(w, dim=-1, keepdim=True)  # [N, G, 1]
         u = w / norm.clamp_min(torch.finfo(w.dtype).tiny)
         q = torch.bucketize(_matmul(u, rot.T), bounds)  # nearest level: boundaries are the midpoints
-        out = {"codes": pack_codes(q.to(torch.uint8), self.mse_bits), "norm": norm.squeeze(-1).to(self.norm_dtype)}
-        if self.qjl:
-            r = u - _matmul(cb[q], rot)
-            out["signs"] = pack_codes((_matmul(r, sk.T) >= 0).to(torch.uint8), 1)
-            out["residual_norm"] = torch.linalg.vector_norm(r, dim=-1).to(self.norm_dtype)
-        return Packed(out)
+        codes, norm = pack_codes(q.to(torch.uint8), self.mse_bits), norm.squeeze(-1).to(self.norm_dtype)
+        if not self.qjl:
+            return TurboTiles(codes, norm)
+        r = u - _matmul(cb[q], rot)
+        return TurboTiles(codes, norm, pack_codes((_matmul(r, sk.T) >= 0).to(torch.uint8), 1),
+                          torch.linalg.vector_norm(r, dim=-1).to(self.norm_dtype))
 
-    def decode(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        norm = packed["norm"]
+    def decode(self, packed: TurboTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        norm = packed.norm
         ft = decode_dtype(norm)
         cb, _, rot, sk = self._constants(norm.device, ft)
-        u = _matmul(cb[unpack_codes(packed["codes"], self.mse_bits).long()], rot)  # [N, G, D]
+        u = _matmul(cb[unpack_codes(packed.codes, self.mse_bits).long()], rot)  # [N, G, D]
         if self.qjl:
-            s = unpack_codes(packed["signs"], 1).to(ft) * 2 - 1
-            coef = math.sqrt(math.pi / 2) / self.head_dim * packed["residual_norm"].to(ft).unsqueeze(-1)
+            s = unpack_codes(packed.signs, 1).to(ft) * 2 - 1
+            coef = math.sqrt(math.pi / 2) / self.head_dim * packed.residual_norm.to(ft).unsqueeze(-1)
             u = u + coef * _matmul(s, sk)
         return (u * norm.to(ft).unsqueeze(-1)).to(dtype)
 

@@ -1,0 +1,37 @@
+"""The C++ kernels behind the op seats for CPU tensors (`kvarn.ops.seats`), the extension built on first call.
+
+Each implementation calls exactly the entry point the wrappers called before the seats existed, with the same
+arguments (`kvarn.kernels.cpu.store.store_tiles`, the extension's `decode_attention`); an absent output (None from
+C++) becomes an empty tensor, as a custom op cannot return None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvarn.kernels.cpu import store
+from kvarn.kernels.cpu.build import error, load
+from kvarn.ops import seats
+
+
+def _tile_store(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative):
+    out = store.store_tiles(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative)
+    return tuple(x.new_empty(0) if t is None else t for t in out)
+
+
+def _packed_decode(*args):
+    out_p, out_r = load().decode_attention(*args)
+    return out_p, (out_p.new_empty(0) if out_r is None else out_r)
+
+
+def _decode_support() -> str | None:
+    return None if load() is not None else error() or "the extension is unavailable"
+
+
+# Library.impl, not torch.library.register_kernel: the latter wraps each call in a dynamo-disabled frame (~10 us on
+# every decode step of every layer)
+_LIB = torch.library.Library("kvarn", "IMPL")
+_LIB.impl("tile_store", _tile_store, "CPU")
+_LIB.impl("packed_decode", _packed_decode, "CPU")
+seats.register_support("tile_store", "cpu", store.unsupported)
+seats.register_support("packed_decode", "cpu", _decode_support)

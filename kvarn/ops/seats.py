@@ -1,0 +1,75 @@
+"""Op seats: the tile store and packed decode attention declared once as `torch.library` custom ops (namespace kvarn).
+
+Each seat takes tensors and plain ints/floats/bools only (absent optional outputs are empty tensors), has a fake
+implementation (shapes and dtypes, for torch.compile and opcheck) and a default implementation, the PyTorch
+reference; kernels register device implementations behind the same name (`kvarn.kernels.cpu.register`: the C++
+kernels for CPU). Which path a call takes is `kvarn.ops.dispatch` (KVARN_KERNEL): callers reach a seat only when a
+kernel serves the call; `supported(seat, device)` gives the registered kernel's reason why not (None: it serves it).
+
+    kvarn::tile_store(x [N, G, D], weight [N, D]?, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype,
+                      relative) -> (codes, row_scale, row_zero, col_scale | [0], rotated | [0], input_finite [N],
+                      fields_finite [N])
+        AffineQuantizer tiles (kvarn.quant.affine; codes `kvarn.ops.codes`); default: the quantizer's reference,
+        registered by kvarn.quant.affine.
+    kvarn::packed_decode(q, qh, hadamard, scale, key fields + strides, bits, rotate, value fields + strides, bits,
+                         rotate, block_table, n_blocks, tile, exact map/keys/values, dense keys/values/positions,
+                         tiles_pos, bias, length, softcap, splits) -> (out_plain, out_rotated | [0])
+        the arguments of `kvarn.kernels.cpu.decode.decode_partial`'s kernel call; default: `kvarn.ops.decode`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvarn.ops.codes import CODE_DTYPES
+from kvarn.ops.decode import packed_decode_reference
+from kvarn.ops.packing import packed_size
+
+STORE_SCHEMA = ("(Tensor x, Tensor? weight, int bits, bool channel, int rotate, bool varn, int varn_iters, "
+                "int scale_dtype, int col_dtype, bool relative) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+                "Tensor)")
+DECODE_SCHEMA = ("(Tensor q, Tensor qh, Tensor hadamard, float scale, Tensor[] key_fields, int[] key_strides, "
+                 "int key_bits, int key_rotate, Tensor[] value_fields, int[] value_strides, int value_bits, "
+                 "int value_rotate, Tensor block_table, Tensor n_blocks, int tile, Tensor exact_map, Tensor exact_k, "
+                 "Tensor exact_v, Tensor[] dense_k, Tensor[] dense_v, int[] dense_pos, int tiles_pos, Tensor bias, "
+                 "int length, float softcap, int splits) -> (Tensor, Tensor)")
+
+torch.library.define("kvarn::tile_store", STORE_SCHEMA)
+torch.library.define("kvarn::packed_decode", DECODE_SCHEMA)
+
+_SUPPORT: dict[tuple[str, str], Callable[..., str | None]] = {}
+
+
+def register_support(seat: str, device: str, why: Callable[..., str | None]) -> None:
+    """A kernel registered for `device` names, per call, why it cannot serve it (None: it can)."""
+    _SUPPORT[seat, device] = why
+
+
+def supported(seat: str, device: torch.device, *args) -> str | None:
+    """Why no kernel serves this call of `seat` on `device` (None: the registered kernel does)."""
+    why = _SUPPORT.get((seat, device.type))
+    return "no kernel registered" if why is None else why(*args)
+
+
+@torch.library.register_fake("kvarn::tile_store")
+def _store_fake(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative):
+    n, g, d = x.shape
+    r, c = (d, g) if channel else (g, d)
+    sd = CODE_DTYPES[scale_dtype]
+    zd = torch.float16 if sd.itemsize == 1 else sd
+    empty = x.new_empty(0)
+    return (x.new_empty(n, r, packed_size(c, bits), dtype=torch.uint8), x.new_empty(n, r, dtype=sd),
+            x.new_empty(n, r, dtype=zd), x.new_empty(n, c, dtype=CODE_DTYPES[col_dtype]) if varn else empty,
+            x.new_empty(n, dtype=torch.uint8) if rotate == 2 else empty, x.new_empty(n, dtype=torch.bool),
+            x.new_empty(n, dtype=torch.bool))
+
+
+@torch.library.register_fake("kvarn::packed_decode")
+def _decode_fake(q, qh, hadamard, *args):
+    out = torch.empty_like(q, dtype=torch.float32, memory_format=torch.contiguous_format)
+    return out, (q.new_empty(0, dtype=torch.float32) if hadamard.numel() else torch.empty_like(out))
+
+
+torch.library.impl("kvarn::packed_decode", "CompositeExplicitAutograd")(packed_decode_reference)
