@@ -29,6 +29,7 @@ run: $(STAMP)
 # Then the vLLM engine tests in their own venv (test-vllm, below).
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvarn tests scripts
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q || { rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
 	$(MAKE) install-check
 	$(MAKE) test-vllm
@@ -38,6 +39,7 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvarn tests scripts
+	$(VENV)/bin/lint-imports
 
 # What a user's `pip install kvarn` gets: a fresh venv, the checkout installed non-editable, then `kvarn presets`
 # (no compile), a KVarNCache decode on the fused CPU kernels, `kvarn generate` and `kvarn eval report` from another

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kvarn.attention import launch as kernel
 from kvarn.attention.view import StoredKV
-from kvarn.kernels.cpu import decode as kernel
 from kvarn.ops.dispatch import mode, use_kernel  # noqa: F401 (mode: also read by integrations.vllm.paged)
 from kvarn.ops.seats import supported
 from kvarn.quant.affine import AffineQuantizer

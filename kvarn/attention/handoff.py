@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvarn.attention.packed import KVarNPast
+    from kvarn.attention.view import KVarNPast
 
 _local = threading.local()
 

@@ -44,13 +44,11 @@ Compute dtype: float32 (float64 for float64 queries). Dropout is not supported (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvarn.attention import fused
 from kvarn.attention.handoff import attach_observer, attach_past, observe, past_of, take  # noqa: F401 (re-exported)
-from kvarn.attention.view import StoredKV
+from kvarn.attention.view import KVarNPast, StoredKV
 from kvarn.ops.hadamard import hadamard_dense
 from kvarn.ops.packing import unpack_codes
 from kvarn.quant.affine import AffineQuantizer
@@ -64,18 +62,6 @@ def _hadamard(x: torch.Tensor) -> torch.Tensor:
     """x @ H along the last axis. Here x is a query or an output, M x D with M small: one matmul beats the log2(D)
     butterfly stages on CPU."""
     return x @ hadamard_dense(x.shape[-1], x.dtype, x.device)
-
-
-@dataclass(frozen=True)
-class KVarNPast:
-    """What one layer held before the current tokens were appended."""
-
-    keys: StoredKV | None
-    values: StoredKV | None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.length
 
 
 # -- masks ----------------------------------------------------------------------------------------------------

@@ -110,3 +110,15 @@ class StoredKV:
         parts = [self.sink_rows(dtype), self.decode_tiles(0, self.n_tiles, dtype) if self.n_tiles else None,
                  self.tail_rows(dtype)]
         return torch.cat([p for p in parts if p is not None], dim=2)
+
+
+@dataclass(frozen=True)
+class KVarNPast:
+    """What one layer held before the current tokens were appended."""
+
+    keys: StoredKV | None
+    values: StoredKV | None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.length

@@ -14,7 +14,7 @@ kernel serves the call; `supported(seat, device)` gives the registered kernel's 
     kvarn::packed_decode(q, qh, hadamard, scale, key fields + strides, bits, rotate, value fields + strides, bits,
                          rotate, block_table, n_blocks, tile, exact map/keys/values, dense keys/values/positions,
                          tiles_pos, bias, length, softcap, splits) -> (out_plain, out_rotated | [0])
-        the arguments of `kvarn.kernels.cpu.decode.decode_partial`'s kernel call; default: `kvarn.ops.decode`.
+        the arguments of `kvarn.attention.launch.decode_partial`'s kernel call; default: `kvarn.ops.decode`.
 """
 
 from __future__ import annotations

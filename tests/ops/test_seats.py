@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvarn.kernels.cpu.decode as decode_mod
+import kvarn.attention.launch as decode_mod
 import kvarn.quant.affine as affine
 from kvarn.attention import fused
 from kvarn.integrations.transformers import KVarNCache

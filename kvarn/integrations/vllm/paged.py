@@ -11,7 +11,7 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
      quantized together (one `encode` for all of them, the quantizer of the transformers cache) into their pages;
      sink blocks and incomplete blocks also (re)write their fp slot;
   2. read: per request and per query block j, one softmax over blocks < j and block j's exact rows, by one of
-     - the fused C++ kernel (`kvarn.kernels.cpu.decode`), for decode-like pieces (<= `fused.MAX_QUERIES` queries
+     - the fused C++ kernel (through `kvarn.attention.launch`), for decode-like pieces (<= `fused.MAX_QUERIES` queries
        per head: decode tokens, and the short last piece of a chunk) with at least one packed block: it reads the
        pool's zero-copy field views (`LayerPool.key_fields` / `value_fields`, [num_blocks, H, ...], stride_batch 0,
        `PackedTiles.pool`) through this request's row of the block table; sink blocks and block j's rows are its
@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 
 from kvarn.attention import fused
+from kvarn.attention import launch as kernel
 from kvarn.attention.packed import KVarNPast, allowed, packed_attention
 from kvarn.attention.view import StoredKV
 from kvarn.integrations.vllm.pool import LayerPool, RequestPlan, StepPlan
-from kvarn.kernels.cpu import decode as kernel
 from kvarn.quant.tiles import Tiles
 
 _NO_EXACT = torch.zeros(0, 3, dtype=torch.long)
