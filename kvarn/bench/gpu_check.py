@@ -177,19 +177,18 @@ def main() -> int:
             x = torch.randn(n, hkv, g_tile, d, generator=gen, device=dev) * torch.linspace(0.2, 4.0, d, device=dev)
             x = x.to(torch.bfloat16)  # as a model hands K/V over
             want_t = q.encode(x.flatten(0, 1))
-            want = want_t.tensors()
             pool = want_t.map(lambda v: torch.zeros((n + 2, hkv, *v.shape[1:]), dtype=v.dtype, device=dev))
             dst = torch.randperm(n + 2, generator=gen, device=dev)[:n].to(torch.int32)
             ops.store_tiles(x, ops.TileFields.from_pool(pool), dst, **store_args(q))
-            got = {k: v[dst.long()].flatten(0, 1) for k, v in pool.items()}
+            got_t = want_t.with_tensors({k: v[dst.long()].flatten(0, 1) for k, v in pool.items()})
             from kvarn.ops.packing import unpack_codes
 
-            a = unpack_codes(got["codes"], cfg[0]).int()
-            b = unpack_codes(want["codes"], cfg[0]).int()
+            a = unpack_codes(got_t.codes, cfg[0]).int()
+            b = unpack_codes(want_t.codes, cfg[0]).int()
             diff = float((a != b).float().mean())
             step_max = int((a - b).abs().max())
             xf = x.flatten(0, 1).float()
-            err = float((q.decode(want_t.with_tensors(got)) - xf).square().mean())
+            err = float((q.decode(got_t) - xf).square().mean())
             ref = float((q.decode(want_t) - xf).square().mean())
             exact = cfg[2] == "none" and not cfg[3]
             ok = (diff == 0) if exact else (diff <= 0.01 and step_max <= 1 and err <= 1.01 * ref)
