@@ -172,7 +172,7 @@ def test_quantized_share_and_gold_branch(tiny_lm):
     with torch.inference_mode():  # the gold pass on a copy equals one on a fresh prefill
         from kvarn.eval.tasks.protocol import gold_logprob
 
-        c = new_cache(model, "kvarn-auto-k2v2-g64", 0)
+        c = new_cache(model, "kvarn-auto-k2v2-g64")
         fresh = gold_logprob(model, c, prefill(model, ids, c, 64), gold, 64)
         assert cache_held(c)["quantized_share_keys"] > 0
     assert fresh == q.gold_logprob

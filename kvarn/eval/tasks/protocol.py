@@ -8,8 +8,9 @@ and what the cache held at the end.
               over exact K/V, quantized tiles read from the first generated token on.
 
 Methods: "dynamic" (transformers' `DynamicCache`, full precision), a kvarn preset name (`kvarn.preset_names()`,
-`KVarNCache` as a user builds it) or transformers' `QuantizedCache` anchors "quanto-2bit" / "hqq-2bit"
-(`kvarn.bench.e2e.make_cache`, transformers' defaults: group 64, residual 128). Every sample gets a fresh cache.
+`KVarNCache` as a user builds it) or transformers' `QuantizedCache` anchors "quanto-2bit" / "hqq-2bit" (as
+`kvarn bench e2e` builds them: 2 bits, transformers' defaults otherwise, group 64, residual 128). Every sample gets a
+fresh cache.
 
 The gold answer's log-probability is teacher-forced on a copy of the prefilled cache (the same quantized past the
 greedy answer reads), its tokens fed in chunks as well; the greedy answer then continues from the original cache.
@@ -24,12 +25,12 @@ from typing import Any, Literal
 
 import torch
 
-from kvarn.bench.e2e import BASELINES, make_cache, usable
+from kvarn.eval.forward import reference_cache
 
 Protocol = Literal["serving", "generate"]
 PROTOCOLS: tuple[Protocol, ...] = ("serving", "generate")
 FULL_PRECISION = "dynamic"
-METHOD_BASELINES = tuple(b for b in BASELINES if b != "static")
+ANCHORS = {"quanto-2bit": ("quanto", "optimum.quanto"), "hqq-2bit": ("hqq", "hqq")}  # backend, module it needs
 
 
 @dataclass
@@ -45,24 +46,35 @@ class Output:
 
 
 def check_methods(names: list[str]) -> list[str]:
-    """Method names in order, duplicates dropped; a clear error for an unknown one, skipped ones (backend missing)
-    warned by `usable`."""
+    """Method names in order, duplicates dropped; a clear error for an unknown one or a missing backend."""
+    import importlib.util
+
+    from kvarn.presets import get_preset
+
     names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
     if not names:
         raise ValueError("--methods is empty; give e.g. dynamic,kvarn-auto-k2v2-g128")
-    if "static" in names:
-        raise ValueError("'static' (StaticCache) is a speed baseline, not a method; use dynamic for full precision")
-    ok, _ = usable(names)
-    return ok
+    for n in names:
+        if n in ANCHORS:
+            module = ANCHORS[n][1]
+            if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+                raise ValueError(f"{n} needs {module}, which is not installed (pip install 'kvarn[bench]')")
+        elif n != FULL_PRECISION:
+            get_preset(n)  # a clear error naming the presets
+    return names
 
 
-def new_cache(model, method: str, max_len: int, sink: int | None = None):
+def new_cache(model, method: str, sink: int | None = None):
     """A fresh cache of `method` for one sample (`sink` overrides a kvarn preset's)."""
-    if sink is not None and method not in METHOD_BASELINES:
-        from kvarn.integrations.transformers import KVarNCache
+    if method == FULL_PRECISION:
+        return reference_cache(model)
+    if method in ANCHORS:
+        from transformers import QuantizedCache
 
-        return KVarNCache(model.config, method, sink=sink)
-    return make_cache(method, model, max_len)
+        return QuantizedCache(ANCHORS[method][0], model.config, nbits=2)
+    from kvarn.integrations.transformers import KVarNCache
+
+    return KVarNCache(model.config, method, sink=sink)
 
 
 def cache_held(cache) -> dict[str, Any]:
@@ -139,14 +151,14 @@ def greedy(model, tok, cache, last: torch.Tensor, new_tokens: int, eos: set[int]
     return out
 
 
-def _branch(model, ids: torch.Tensor, cache, last: torch.Tensor, method: str, max_len: int, sink: int | None,
+def _branch(model, ids: torch.Tensor, cache, last: torch.Tensor, method: str, sink: int | None,
             chunk: int | None) -> tuple[Any, torch.Tensor]:
     """A copy of the prefilled cache and its last log-probabilities; caches that cannot be copied (quanto's
     QuantizedCache holds tensor subclasses without deepcopy) are prefilled again, which gives the same content."""
     try:
         return copy.deepcopy(cache), last
     except (RuntimeError, TypeError):
-        side = new_cache(model, method, max_len, sink)
+        side = new_cache(model, method, sink)
         return side, prefill(model, ids, side, chunk)
 
 
@@ -157,18 +169,17 @@ def run_sample(model, tok, ids: torch.Tensor, gold: torch.Tensor | None, method:
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     t0 = time.perf_counter()
-    max_len = ids.shape[1] + new_tokens + (0 if gold is None else gold.numel()) + 1
-    cache = new_cache(model, method, max_len, sink)
+    cache = new_cache(model, method, sink)
     with torch.inference_mode():
         if protocol == "serving":
             last = prefill(model, ids, cache, chunk)
-            lp = None if gold is None else gold_logprob(model, *_branch(model, ids, cache, last, method, max_len,
-                                                                           sink, chunk), gold, chunk)
+            lp = None if gold is None else gold_logprob(model, *_branch(model, ids, cache, last, method, sink, chunk),
+                                                        gold, chunk)
             out = greedy(model, tok, cache, last, new_tokens, eos, stop)
         else:
             lp = None
             if gold is not None:  # the same prefill (one forward over exact K/V), the gold answer in one forward
-                side = new_cache(model, method, max_len, sink)
+                side = new_cache(model, method, sink)
                 lp = gold_logprob(model, side, prefill(model, ids, side, None), gold, None)
             # greedy as in serving: no repetition penalty from the model's generation config
             seq = model.generate(ids, cache=cache, do_sample=False, max_new_tokens=new_tokens, repetition_penalty=1.0,
