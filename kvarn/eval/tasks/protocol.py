@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from kvarn.eval.forward import reference_cache
+from kvarn.integrations.serving import forward_logprobs, greedy, prefill
 
 Protocol = Literal["serving", "generate"]
 PROTOCOLS: tuple[Protocol, ...] = ("serving", "generate")
@@ -108,21 +109,6 @@ def cache_held(cache) -> dict[str, Any]:
     return out
 
 
-def _forward(model, ids: torch.Tensor, cache, keep: int = 1) -> torch.Tensor:
-    """Append ids [1, t] to the cache; log-probabilities of the last `keep` positions [keep, V] (float64)."""
-    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep).logits[0].double()
-    return torch.log_softmax(logits, -1)
-
-
-def prefill(model, ids: torch.Tensor, cache, chunk: int | None) -> torch.Tensor:
-    """Feed ids [1, P] in chunks (None: one forward); the next-token log-probabilities after the last one [V]."""
-    step = chunk or ids.shape[1]
-    lp = None
-    for start in range(0, ids.shape[1], step):
-        lp = _forward(model, ids[:, start:start + step], cache)[-1]
-    return lp
-
-
 def gold_logprob(model, cache, last: torch.Tensor, gold: torch.Tensor, chunk: int | None) -> float:
     """Sum of log p(gold[i] | prompt, gold[<i]) on `cache` (consumed): `last` [V] predicts gold[0]; gold [g]."""
     total = float(last[gold[0]])
@@ -130,25 +116,9 @@ def gold_logprob(model, cache, last: torch.Tensor, gold: torch.Tensor, chunk: in
     step = chunk or max(rest.shape[1], 1)
     for start in range(0, rest.shape[1], step):
         x = rest[:, start:start + step]
-        lp = _forward(model, x, cache, keep=x.shape[1])
+        lp = forward_logprobs(model, x, cache, keep=x.shape[1])
         total += float(lp.gather(-1, gold[start + 1:start + 1 + x.shape[1]].unsqueeze(-1)).sum())
     return total
-
-
-def stops(text: str, stop: tuple[str, ...]) -> bool:
-    return any(s in text for s in stop)
-
-
-def greedy(model, tok, cache, last: torch.Tensor, new_tokens: int, eos: set[int], stop: tuple[str, ...]) -> list[int]:
-    """Greedy continuation from `last` [V], one token per step, until EOS, a stop string or `new_tokens`."""
-    out: list[int] = []
-    while len(out) < new_tokens:
-        nxt = int(last.argmax())
-        out.append(nxt)
-        if nxt in eos or len(out) == new_tokens or (stop and stops(tok.decode(out), stop)):
-            break
-        last = _forward(model, torch.tensor([[nxt]], device=last.device), cache)[-1]
-    return out
 
 
 def _branch(model, ids: torch.Tensor, cache, last: torch.Tensor, method: str, sink: int | None,
