@@ -227,3 +227,14 @@ def test_embedded_model_finds_the_easy_needle(tmp_path):
         out = run_sample(model, tok, ids, gold, method, "serving", chunk=128, new_tokens=16, eos={tok.eos_token_id})
         assert score(s, out.answer)[1], (method, out.answer)
         assert out.gold_logprob / out.gold_tokens > -0.5, method
+
+
+def test_report_runs_tasks_and_replots(tiny_folder, tmp_path):
+    cfg = tmp_path / "suite.json"
+    cfg.write_text(json.dumps({"analyses": {"tasks": {"tasks": "lines", "lines": [12], "samples": 1, "chunk": 64,
+                                                      "methods": "dynamic,fp16", "no-gold": True}}}))
+    out = tmp_path / "report"
+    assert main(["eval", "report", "--config", str(cfg), "--model", tiny_folder, "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "Task accuracy" in md and "tasks/lines.png" in md
+    assert main(["eval", "report", "--config", str(cfg), "--out", str(out), "--replot"]) == 0
