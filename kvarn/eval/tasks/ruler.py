@@ -11,8 +11,9 @@
 The variant is the length in tokens the sample is built to fill (prompt + answer <= length, with the model's own
 tokenizer). Needles, chain links sit at 10-90% depth (RULER: 0-100%). Scoring is RULER's string_match_all: the share
 of references that appear in the answer (case-insensitive); a sample is correct when all do. Departures from RULER:
-the depths, sentence splitting by punctuation (not nltk), key words from a built-in adjective-noun list (not
-wonderwords), and the essay haystack replaced by a synthetic one where the essays are not installed.
+the depths, sizes refined below RULER's increments so samples fill the length, sentence splitting by punctuation (not
+nltk), key words from a built-in adjective-noun list (not wonderwords), and the essay haystack replaced by a
+synthetic one where the essays are not installed.
 """
 
 from __future__ import annotations
@@ -201,9 +202,13 @@ def fit(name: str, length: int, seed: int, index: int, count: Callable[[Sample],
         if count(t) > length:
             break
         size, s = guess, t
-    while top is None or size + step <= top:  # then RULER's increments until the next one would not fit
+    while step >= 1:  # then RULER's increments until the next would not fit, then halved ones (RULER stops there)
+        if top is not None and size + step > top:
+            step //= 2
+            continue
         t = make(size + step)
         if count(t) > length:
-            return s
+            step = step // 2 if step > 1 else 0
+            continue
         size, s = size + step, t
-    return s  # the haystack (or word pool) is used up before the length
+    return s
