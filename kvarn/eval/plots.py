@@ -251,13 +251,16 @@ def task_accuracy_vs_lines(result: dict, path: str | Path) -> Path:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     colors = _colors(methods)
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    for m in methods:
+    span = max((int(r["variant"].removeprefix("L=")) for r in rows), default=1)
+    for i, m in enumerate(methods):
+        dodge = (i - (len(methods) - 1) / 2) * 0.012 * span  # side by side, so equal accuracies stay visible
         for protocol, ls in (("serving", "-"), ("generate", "--")):
             pts = sorted((int(r["variant"].removeprefix("L=")), r["accuracy"], r["wilson"]) for r in rows
                          if r["method"] == m and r["protocol"] == protocol)
             if not pts:
                 continue
             xs, ys, ci = zip(*pts)
+            xs = [x + dodge for x in xs]
             err = [[y - lo for y, (lo, _) in zip(ys, ci)], [hi - y for y, (_, hi) in zip(ys, ci)]]
             ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, ls=ls, capsize=2, color=colors[m],
                         label=f"{m} ({protocol})")
