@@ -75,3 +75,24 @@ def test_fp16_preset_matches_lm_eval_hf(setup, monkeypatch):
         assert math.isclose(lp_a, lp_b, rel_tol=1e-4, abs_tol=1e-4) and greedy_a == greedy_b
     q = _evaluate(folder, tasks, "kvarn", ",preset=kvarn-auto-k2v2-g64,chunk=64")
     assert len(_responses(q, "kvarn_tiny_ll")) == 3 and len(_responses(q, "kvarn_tiny_gen")) == 3
+
+
+def test_exported_kvarn_tasks_run_in_lm_eval(setup, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import kvarn.integrations.lm_eval  # noqa: F401  (registers "kvarn")
+    from kvarn.cli import main
+
+    folder, _ = setup
+    out = tmp_path / "exported"
+    assert main(["eval", "tasks", "--model", folder, "--tasks", "lines,arith", "--lines", "12", "--steps", "2",
+                 "--samples", "2", "--export-lm-eval", str(out)]) == 0
+    monkeypatch.syspath_prepend(str(out))
+    res = lm_eval.simple_evaluate(model="kvarn", model_args=f"pretrained={folder},dtype=float32,preset=fp16,chunk=64",
+                                  tasks=["kvarn_lines_L12", "kvarn_arith_steps2"], device="cpu", batch_size=1,
+                                  task_manager=TaskManager(include_path=str(out)))
+    for name in ("kvarn_lines_L12", "kvarn_arith_steps2"):
+        assert 0 <= res["results"][name]["correct,none"] <= 1

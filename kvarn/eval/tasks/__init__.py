@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated data (default: 0)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", default=f"out/eval/{COMMAND}", help="output folder (default: out/eval/tasks)")
+    parser.add_argument("--export-lm-eval", default=None, metavar="DIR",
+                        help="run nothing: write the samples as lm-eval tasks (JSONL + YAML, kvarn's scorers) into DIR")
 
 
 def write_plots(result: dict, out: Path) -> list[Path]:
@@ -85,6 +87,16 @@ def run(args: argparse.Namespace) -> int:
     haystack = resolve_haystack(args.haystack) if needs_hay else args.haystack
     plan = Plan(tuple(args.lines), tuple(args.lengths), tuple(args.steps), args.samples, args.seed, haystack,
                 args.context_tokens)
+    if args.export_lm_eval:
+        from transformers import AutoTokenizer
+
+        from kvarn.eval.tasks.export import export
+        from kvarn.models import resolve
+
+        names = export(slots(tasks, plan, AutoTokenizer.from_pretrained(resolve(args.model))),
+                       Path(args.export_lm_eval))
+        print(f"wrote {len(names)} lm-eval tasks to {args.export_lm_eval}: {', '.join(names)}")
+        return 0
     out = Path(args.out)
     check_settings(out, {"model": args.model, "seed": args.seed, "chunk": args.chunk, "haystack": haystack,
                          "context_tokens": args.context_tokens, "sink": args.sink, "gold": not args.no_gold})
