@@ -12,7 +12,7 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     from kvarn.eval import analyses
 
-    p = sub.add_parser("eval", help="evaluation harness: pseudo-decode, decompose, outliers, ppl, lines, report")
+    p = sub.add_parser("eval", help="evaluation harness: pseudo-decode, decompose, outliers, ppl, lines, tasks, report")
     es = p.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
     for command, module in analyses().items():
         ap = es.add_parser(command, help=getattr(module, "HELP", None),

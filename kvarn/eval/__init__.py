@@ -2,7 +2,8 @@
 `run(args)`; `kvarn eval <COMMAND>` discovers them (`analyses()`). Shared pieces, one topic each: `text.py`
 (the text read), `options.py` (common flags, seeding), `provenance.py`, `results.py` (JSON, markdown tables),
 `progress.py`, `heap.py`, `forward.py` (caches, hooks), `engine.py` (block-by-block runs in lockstep with the
-reference), `plots.py` and `schema.py` (with the schemas in `schemas/`); the KL divergences are kvarn.ops.metrics."""
+reference), `plots.py` and `schema.py` (with the schemas in `schemas/`); the KL divergences are kvarn.ops.metrics.
+`tasks/` is a package holding one analysis (`kvarn eval tasks`, task accuracy; docs/TASKS.md)."""
 
 from __future__ import annotations
 

@@ -240,3 +240,30 @@ def kl_vs_position(result: dict, path: str | Path, window: int = 32) -> Path:
     ax.legend(fontsize=7)
     ax.set_title(f"decode protocol: {result['model']}, one token at a time", fontsize=9)
     return _save(fig, path)
+
+
+# --- tasks ----------------------------------------------------------------------------------------------
+
+
+def task_accuracy_vs_lines(result: dict, path: str | Path) -> Path:
+    """`kvarn eval tasks`: line-retrieval accuracy vs lines per method and protocol, with Wilson 95% bars."""
+    rows = [r for r in result["rows"] if r["task"] == "lines"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colors = _colors(methods)
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    span = max((int(r["variant"].removeprefix("L=")) for r in rows), default=1)
+    for i, m in enumerate(methods):
+        dodge = (i - (len(methods) - 1) / 2) * 0.012 * span  # side by side, so equal accuracies stay visible
+        for protocol, ls in (("serving", "-"), ("generate", "--")):
+            pts = sorted((int(r["variant"].removeprefix("L=")), r["accuracy"], r["wilson"]) for r in rows
+                         if r["method"] == m and r["protocol"] == protocol)
+            if not pts:
+                continue
+            xs, ys, ci = zip(*pts)
+            xs = [x + dodge for x in xs]
+            err = [[y - lo for y, (lo, _) in zip(ys, ci)], [hi - y for y, (_, hi) in zip(ys, ci)]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, ls=ls, capsize=2, color=colors[m],
+                        label=f"{m} ({protocol})")
+    ax.set(xlabel="lines in the prompt", ylabel="exact-match accuracy", ylim=(-0.02, 1.02))
+    ax.legend(fontsize=6)
+    return _save(fig, path)
