@@ -20,9 +20,10 @@ import torch
 from kvarn.decoding import DEFAULT_PROMPT, MethodResult, chat_prompt, follow_reference, greedy_reference
 from kvarn.eval.provenance import provenance
 from kvarn.generation import prepare_model
-from kvarn.presets import get_preset
+from kvarn.presets import DEFAULT_PRESET, get_preset
 
-DEFAULT_METHODS = ("fp16", "rtn", "hadamard", "kvarn-k2v2-g128", "kvarn-k4v2-g128")
+# the paper's preset, the default a user gets (kvarn.DEFAULT_PRESET) and 4-bit keys, beside FP16 and two ablations
+DEFAULT_METHODS = ("fp16", "rtn", "hadamard", "kvarn-k2v2-g128", DEFAULT_PRESET, "kvarn-k4v2-g128")
 
 
 def run_demo(model_name: str = "default", methods: tuple[str, ...] = DEFAULT_METHODS, new_tokens: int = 1024,
