@@ -17,7 +17,8 @@ import sys
 LAB = ("matplotlib", "rich", "tqdm", "gguf", "accelerate")
 CORE = ("ops", "quant", "presets", "cache", "attention", "kernels", "integrations", "paths")
 # parts of the core behind their own extra, imported only where that package is installed
-OPTIONAL = {"kvarn.kernels.triton.": "triton", "kvarn.integrations.vllm": "vllm", "kvarn.integrations.lm_eval": "lm_eval"}
+OPTIONAL = {"kvarn.kernels.triton.": "triton", "kvarn.integrations.vllm": "vllm",
+            "kvarn.integrations.lm_eval": "lm_eval"}
 
 
 class Block(importlib.abc.MetaPathFinder):
