@@ -30,6 +30,24 @@ RESULTS: dict = {"checks": [], "timings": [], "errors": []}
 OUT: list[Path] = []  # where write() puts the results (after every step and timing row: a timeout keeps them)
 
 
+def encode_pool(quantizer, x: torch.Tensor, flag: torch.Tensor):
+    """AffineTiles [NB, H, ...] of tiles x [NB, H, G, D]; rotate="auto" tiles take the rotation flag [NB, H] given
+    (both candidates encoded by the quantizer), so rotated and plain tiles are both present. Shared with the tests."""
+    from kvarn.quant.affine import AffineQuantizer
+
+    flat = x.flatten(0, 1)
+    if quantizer.config.rotate == "auto":
+        rot = AffineQuantizer(quantizer.config, "always").encode(flat)
+        plain = AffineQuantizer(quantizer.config, "never").encode(flat).tensors()
+        keep = flag.flatten()
+        fields = {k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, plain[k]) for k, v in rot.items()}
+        fields["rotated"] = keep.to(torch.uint8)
+        tiles = rot.with_tensors(fields)
+    else:
+        tiles = quantizer.encode(flat)
+    return tiles.map(lambda v: v.unflatten(0, x.shape[:2]).contiguous())  # encode may return views
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -103,20 +121,6 @@ def main() -> int:
         """The encoding parameters ops.store_tiles takes besides the tiles' format."""
         return {"varn": q.config.varn, "varn_iters": q.config.varn_iters, "weighted": bool(kernel_weighted(q.policy))}
 
-    def pool_of(quantizer, x, flag=None):
-        """Fields [NB, H, ...] of tiles x [NB, H, G, D] (auto: rotation from `flag`, both kinds present)."""
-        flat = x.flatten(0, 1)
-        if quantizer.config.rotate == "auto":
-            rot = AffineQuantizer(quantizer.config, "always").encode(flat)
-            plain = AffineQuantizer(quantizer.config, "never").encode(flat).tensors()
-            keep = flag.flatten()
-            f = {k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, plain[k]) for k, v in rot.items()}
-            f["rotated"] = keep.to(torch.uint8)
-            tiles = rot.with_tensors(f)
-        else:
-            tiles = quantizer.encode(flat)
-        return tiles.map(lambda v: v.unflatten(0, x.shape[:2]).contiguous())
-
     @step("1. decode correctness vs float64")
     def _decode_correct():
         gen = torch.Generator(device=dev).manual_seed(0)
@@ -129,7 +133,7 @@ def main() -> int:
             xk = xk * torch.linspace(0.2, 4.0, d, device=dev)  # channel scales, as real keys have
             xv = torch.randn(nb_pool, hkv, g_tile, d, generator=gen, device=dev)
             flag = torch.rand(nb_pool, hkv, generator=gen, device=dev) < 0.5
-            kf, vf = pool_of(kq, xk, flag), pool_of(vq, xv, ~flag)
+            kf, vf = encode_pool(kq, xk, flag), encode_pool(vq, xv, ~flag)
             perm = torch.randperm(nb_pool, generator=gen, device=dev).to(torch.int32)
             table = torch.zeros(2, max(lens), dtype=torch.int32, device=dev)
             table[0, :lens[0]] = perm[:lens[0]]

@@ -24,6 +24,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'kvar
 from kvarn.attention.packed import KVarNPast
 from kvarn.attention.reference import reference_attention
 from kvarn.attention.view import StoredKV
+from kvarn.bench.gpu_check import encode_pool
 from kvarn.kernels.triton import ops
 from kvarn.kernels.triton.attention import packed_decode, paged_decode
 from kvarn.ops.packing import pack_codes, unpack_codes
@@ -66,22 +67,6 @@ def test_planes_layout(bits):
 
 
 # -- decode ------------------------------------------------------------------------------------------------------
-def encode_pool(quantizer: AffineQuantizer, x: torch.Tensor, flag: torch.Tensor) -> AffineTiles:
-    """Fields [NB, H, ...] of tiles x [NB, H, G, D]; rotate="auto" tiles take the rotation flag[NB, H] given
-    (both candidates encoded by the quantizer), so rotated and plain tiles are both present."""
-    flat = x.flatten(0, 1)
-    if quantizer.config.rotate == "auto":
-        rot = AffineQuantizer(quantizer.config, "always").encode(flat)
-        plain = AffineQuantizer(quantizer.config, "never").encode(flat).tensors()
-        keep = flag.flatten()
-        fields = {k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, plain[k]) for k, v in rot.items()}
-        fields["rotated"] = keep.to(torch.uint8)
-        tiles = rot.with_tensors(fields)
-    else:
-        tiles = quantizer.encode(flat)
-    return tiles.map(lambda v: v.unflatten(0, x.shape[:2]).contiguous())  # encode may return views
-
-
 def view_of(fields: AffineTiles, blocks: torch.Tensor, quantizer, sink, tail) -> StoredKV:
     """One batch row's StoredKV: pool blocks gathered in table order, [1, H, n, ...]."""
     packed = fields.map(lambda v: v[blocks.long()].transpose(0, 1).unsqueeze(0))
