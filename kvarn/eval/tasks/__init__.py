@@ -16,37 +16,43 @@ tests and answer agreement against full precision, gold-answer log-probabilities
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from kvarn.eval.options import int_list, positive_int, result_header, setup
 from kvarn.eval.results import publish
+from kvarn.eval.tasks.plans import PLANS
 from kvarn.eval.tasks.table import summarize, summary_markdown
 
 COMMAND = "tasks"
 HELP = "task accuracy through the cache: line retrieval, RULER, HumanEval (executed), long arithmetic"
 DEFAULT_METHODS = "dynamic,kvarn-auto-k2v2-g128,kvarn-auto-k4v2-g128,kivi-k2v2-g128"
 DEFAULT_TASKS = "lines"
+PLAN_FIELDS = ("tasks", "methods", "lines", "lengths", "steps", "context_tokens")  # a --plan sets these
 __all__ = ["COMMAND", "HELP", "add_arguments", "run", "summary_markdown", "write_plots"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="named model, HF id or folder (default: embedded SmolLM2; "
                         "the task model: qwen2.5-coder-0.5b)")
-    parser.add_argument("--tasks", default=DEFAULT_TASKS,
+    parser.add_argument("--plan", default=None, choices=sorted(PLANS),
+                        help="a named run (tasks, sizes, methods, samples; kvarn/eval/tasks/plans.py): ci, main, "
+                             "presets, lines, full; --samples may override its counts")
+    parser.add_argument("--tasks", default=None,
                         help="comma-separated: lines, niah_single_1..3, niah_multikey_1..3, niah_multivalue, "
                              "niah_multiquery, vt, cwe, humaneval, humaneval_long, arith; groups ruler, all "
                              f"(default: {DEFAULT_TASKS})")
-    parser.add_argument("--methods", default=DEFAULT_METHODS,
+    parser.add_argument("--methods", default=None,
                         help="comma-separated: dynamic (full precision), kvarn preset names, quanto-2bit, hqq-2bit "
                              f"(default: {DEFAULT_METHODS})")
-    parser.add_argument("--protocols", default="serving", help="serving, generate or both (default: serving)")
-    parser.add_argument("--samples", type=positive_int, default=10, help="samples per task and size (default: 10)")
-    parser.add_argument("--lines", type=int_list, default=[100, 200, 400, 600],
+    parser.add_argument("--protocols", default=None, help="serving, generate or both (default: serving)")
+    parser.add_argument("--samples", type=positive_int, default=None, help="samples per task and size (default: 10)")
+    parser.add_argument("--lines", type=int_list, default=None,
                         help="line counts of line retrieval (default: 100,200,400,600)")
-    parser.add_argument("--lengths", type=int_list, default=[4096],
+    parser.add_argument("--lengths", type=int_list, default=None,
                         help="RULER sample lengths in tokens, prompt + answer (default: 4096)")
-    parser.add_argument("--steps", type=int_list, default=[24], help="arithmetic steps per problem (default: 24)")
-    parser.add_argument("--context-tokens", type=positive_int, default=3000,
+    parser.add_argument("--steps", type=int_list, default=None, help="arithmetic steps per problem (default: 24)")
+    parser.add_argument("--context-tokens", type=positive_int, default=None,
                         help="tokens of solved problems before the long HumanEval prompt (default: 3000)")
     parser.add_argument("--haystack", default="auto", choices=("auto", "essay", "synthetic"),
                         help="RULER's essay haystack (auto: the essays if installed, else synthetic)")
@@ -69,46 +75,69 @@ def write_plots(result: dict, out: Path) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvarn.eval.tasks.haystack import resolve_haystack
     from kvarn.eval.tasks.protocol import PROTOCOLS, check_methods
     from kvarn.eval.tasks.runner import check_settings, run_all
-    from kvarn.eval.tasks.suite import Plan, parse_tasks, slots
+    from kvarn.eval.tasks.suite import slots
 
     setup(args)
-    tasks = parse_tasks(args.tasks)
-    protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
+    cells = _cells(args)
+    tasks = list(dict.fromkeys(t for c in cells for t in c.tasks))
+    methods = check_methods([m for c in cells for m in c.methods])
+    protocols = list(dict.fromkeys(p for c in cells for p in c.protocols))
     bad = [p for p in protocols if p not in PROTOCOLS]
     if bad or not protocols:
-        raise ValueError(f"--protocols: expected serving and/or generate, got {args.protocols!r}")
-    methods = check_methods(args.methods.split(","))
+        raise ValueError(f"--protocols: expected serving and/or generate, got {','.join(protocols)!r}")
     if args.sink is not None and args.sink < 0:
         raise ValueError(f"--sink must be >= 0, got {args.sink}")
-    needs_hay = any(t.startswith("niah") or t == "cwe" for t in tasks)
-    haystack = resolve_haystack(args.haystack) if needs_hay else args.haystack
-    plan = Plan(tuple(args.lines), tuple(args.lengths), tuple(args.steps), args.samples, args.seed, haystack,
-                args.context_tokens)
+    haystack, context_tokens = cells[0].plan.haystack, cells[0].plan.context_tokens  # the same in every cell
     if args.export_lm_eval:
         from transformers import AutoTokenizer
 
         from kvarn.eval.tasks.export import export
         from kvarn.models import resolve
 
-        names = export(slots(tasks, plan, AutoTokenizer.from_pretrained(resolve(args.model))),
-                       Path(args.export_lm_eval))
+        tok = AutoTokenizer.from_pretrained(resolve(args.model))
+        names = export([s for c in cells for s in slots(list(c.tasks), c.plan, tok)], Path(args.export_lm_eval))
         print(f"wrote {len(names)} lm-eval tasks to {args.export_lm_eval}: {', '.join(names)}")
         return 0
     out = Path(args.out)
     check_settings(out, {"model": args.model, "seed": args.seed, "chunk": args.chunk, "haystack": haystack,
-                         "context_tokens": args.context_tokens, "sink": args.sink, "gold": not args.no_gold})
+                         "context_tokens": context_tokens, "sink": args.sink, "gold": not args.no_gold})
     from kvarn.models import load_model
 
     model, tok = load_model(args.model)
     ctx = getattr(model.config, "max_position_embeddings", None)
-    records = run_all(model, tok, slots(tasks, plan, tok), methods, protocols, out, chunk=args.chunk,
-                      gold=not args.no_gold, sink=args.sink, max_context=ctx)
-    result = {**result_header(args, COMMAND), "chunk": args.chunk, "seed": args.seed, "haystack": haystack,
-              "methods": methods, "protocols": protocols, "tasks": tasks, "samples": len(records),
+    work = [(slots(list(c.tasks), c.plan, tok), c.methods, c.protocols) for c in cells]
+    records = run_all(model, tok, work, out, chunk=args.chunk, gold=not args.no_gold, sink=args.sink,
+                      max_context=ctx)
+    result = {**result_header(args, COMMAND), "plan": args.plan, "chunk": args.chunk, "seed": args.seed,
+              "haystack": haystack, "methods": methods, "protocols": protocols, "tasks": tasks, "samples": len(records),
               "rows": summarize(records, args.seed)}
     write_plots(result, out)
     publish(result, out / "tasks.json", out, summary_markdown(result))
     return 0
+
+
+def _cells(args: argparse.Namespace) -> tuple:
+    """The run's cells: the named --plan, or one cell of --tasks x --methods at the given sizes."""
+    from kvarn.eval.tasks.haystack import resolve_haystack
+    from kvarn.eval.tasks.plans import Cell, plan_cells
+    from kvarn.eval.tasks.suite import Plan, parse_tasks
+
+    if args.plan is not None:
+        given = [f"--{f.replace('_', '-')}" for f in PLAN_FIELDS if getattr(args, f) is not None]
+        given += ["--protocols"] if args.protocols is not None else []
+        if given:
+            raise ValueError(f"--plan {args.plan} sets tasks, sizes and methods; drop {', '.join(given)}")
+        cells = plan_cells(args.plan, samples=args.samples, seed=args.seed)
+    else:
+        d = Plan()
+        tasks = parse_tasks(args.tasks or DEFAULT_TASKS)
+        methods = (args.methods or DEFAULT_METHODS).split(",")
+        plan = Plan(tuple(args.lines or d.lines), tuple(args.lengths or d.lengths), tuple(args.steps or d.steps),
+                    args.samples or d.samples, args.seed, d.haystack, args.context_tokens or d.context_tokens)
+        protocols = tuple(p.strip() for p in (args.protocols or "serving").split(",") if p.strip())
+        cells = (Cell(tuple(tasks), tuple(methods), plan, protocols),)
+    needs_hay = any(t.startswith("niah") or t == "cwe" for c in cells for t in c.tasks)
+    haystack = resolve_haystack(args.haystack) if needs_hay else args.haystack
+    return tuple(replace(c, plan=replace(c.plan, haystack=haystack)) for c in cells)

@@ -6,7 +6,7 @@ refused rather than mixed in."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +63,26 @@ def record(sample: Sample, method: str, protocol: str, prompt_tokens: int, out) 
             **out.held, "seconds": out.seconds, "meta": sample.meta}
 
 
-def run_all(model, tok, slots: Iterable[Slot], methods: list[str], protocols: list[str], out: Path, *, chunk: int,
-            gold: bool = True, sink: int | None = None, max_context: int | None = None) -> list[dict]:
-    """Run what is not done yet; returns the records of these units (old and new), in file order."""
-    slots = list(slots)
-    done = {r["unit"] for r in read_records(out)}
-    todo = [(s, m, p) for s in slots for m in methods for p in protocols if unit_key(s.key, m, p) not in done]
+Work = tuple[Iterable[Slot], Sequence[str], Sequence[str]]  # samples, methods, protocols
+
+
+def run_all(model, tok, cells: Iterable[Work], out: Path, *, chunk: int, gold: bool = True, sink: int | None = None,
+            max_context: int | None = None) -> list[dict]:
+    """Run what is not done yet of every cell (its samples x its methods x its protocols), sample by sample (all
+    methods of a sample before the next, so a run cut short stays paired); returns the records of these units (old
+    and new), in file order."""
+    cells = [(list(slots), list(methods), list(protocols)) for slots, methods, protocols in cells]
+    wanted = {unit_key(s.key, m, p) for slots, methods, protocols in cells for s in slots for m in methods
+              for p in protocols}
+    done = {r["unit"] for r in read_records(out)}  # grows below: a unit in two cells runs once
+    todo = []
+    for slots, methods, protocols in cells:
+        for s in slots:
+            for m in methods:
+                for p in protocols:
+                    if unit_key(s.key, m, p) not in done:
+                        done.add(unit_key(s.key, m, p))
+                        todo.append((s, m, p))
     eos = eos_ids(model, tok)
     built: dict[str, tuple[Sample, Any, Any]] = {}
     path = out / SAMPLES
@@ -89,5 +103,4 @@ def run_all(model, tok, slots: Iterable[Slot], methods: list[str], protocols: li
             f.write(json.dumps(record(sample, method, protocol, ids.shape[1], res)) + "\n")
             f.flush()
             bar.update(1)
-    wanted = {unit_key(s.key, m, p) for s in slots for m in methods for p in protocols}
     return [r for r in read_records(out) if r["unit"] in wanted]
