@@ -7,6 +7,8 @@ in docs/TASKS.md come from one command each and a rerun resumes them.
              ~3k tokens of solved problems, 24-step arithmetic) x full precision, KIVI-2, the default, k4v2
     presets  every method of today (kvarn's presets, the paper's baselines, transformers' QuantizedCache anchors)
              on the main table's retrieval task
+    presets-1k  every method on the CI subset's task (one needle in the essays at 1k tokens), 10 samples: the
+             quick look (under an hour here)
     lines    the line-retrieval curve of the paper's figure: 100, 200, 400, 600 lines x the main table's methods,
              under both protocols (serving and generate)
     full     main + presets + lines, one output folder
@@ -49,9 +51,10 @@ PLANS: dict[str, tuple[Cell, ...]] = {
     "ci": (Cell(("niah_single_2",), (FULL, DEFAULT_PRESET), Plan(lengths=(1024,), samples=3)),),
     "main": _main(20),
     "presets": (Cell(("niah_multikey_1",), ALL_METHODS, Plan(lengths=(4096,), samples=20)),),
+    "presets-1k": (Cell(("niah_single_2",), ALL_METHODS, Plan(lengths=(1024,), samples=10)),),
     "lines": (Cell(("lines",), MAIN_METHODS, Plan(lines=(100, 200, 400, 600), samples=10), ("serving", "generate")),),
 }
-PLANS["full"] = PLANS["main"] + PLANS["presets"] + PLANS["lines"]
+PLANS["full"] = PLANS["main"] + PLANS["presets"] + PLANS["lines"]  # presets-1k stays apart: another size
 
 
 def plan_cells(name: str, *, samples: int | None = None, seed: int = 0, haystack: str = "essay") -> tuple[Cell, ...]:
