@@ -32,7 +32,8 @@ processed in chunks of bounded size
 Tiles kept exact (non-finite input) have all-zero packed fields, so they contribute exactly 0 above; their logits
 are overwritten and their value contributions added from the exact copies.
 
-Other quantizers (baselines) and keys stored before RoPE take the fallback: each chunk of tiles is decoded
+Other quantizers (baselines), keys stored before RoPE and queries of more than `FOLD_MAX_ROWS` rows (prefill
+chunks) take the decode path: each chunk of tiles is decoded
 (`StoredKV.decode_tiles`) and multiplied like an exact segment, inside the same single softmax.
 
 Decode-like steps (few queries) on CPU over KVarN-orientation tiles take the fused C++ kernel instead
@@ -55,6 +56,10 @@ from kvarn.quant.affine import AffineQuantizer
 from kvarn.quant.tiles import AffineTiles
 
 TILE_CHUNK_ELEMENTS = 1 << 22  # unpacked codes (or decoded elements) per chunk of tiles
+# Folding the scales into the query costs O(M * D) elementwise work per tile and query row; decoding a tile costs
+# O(G * D) once. Above a tile's worth of query rows (prefill chunks: M = groups * L), decoding and one matmul is the
+# cheaper order of the same arithmetic (a 4k-token chunked prefill of Qwen2.5-0.5B: ~4x less attention time).
+FOLD_MAX_ROWS = 128
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # logits per chunk of queries (long prefills on a filled cache)
 
 
@@ -160,13 +165,15 @@ def _affine_value_out(p: torch.Tensor, view: StoredKV, first: int, last: int, cd
     return _hadamard(torch.where(f, o, 0).sum(2)) + torch.where(f, 0, o).sum(2)
 
 
-def _packed_fast(view: StoredKV) -> bool:
-    return isinstance(view.quantizer, AffineQuantizer) and view.post is None
+def _packed_fast(view: StoredKV, rows: int) -> bool:
+    """Whether the tiles are read by folding scales into the query/probabilities (few query rows), rather than
+    decoded and multiplied (many rows, other quantizers, keys stored before RoPE)."""
+    return isinstance(view.quantizer, AffineQuantizer) and view.post is None and rows <= FOLD_MAX_ROWS
 
 
 def _tile_key_logits(qs: torch.Tensor, view: StoredKV, cd: torch.dtype) -> torch.Tensor:
     """Logits [B, H, M, n*G] of every packed key tile, chunk by chunk."""
-    fast = _packed_fast(view)
+    fast = _packed_fast(view, qs.shape[2])
     qh = None
     if fast and view.quantizer.config.rotate != "none":
         qh = _hadamard(qs)  # q~ = q H, once
@@ -177,7 +184,7 @@ def _tile_key_logits(qs: torch.Tensor, view: StoredKV, cd: torch.dtype) -> torch
         if fast:
             parts.append(_affine_key_logits(qs, qh, view, first, last, cd))
         else:
-            parts.append(qs @ view.decode_tiles(first, last, cd).transpose(-1, -2))
+            parts.append(qs @ view.decode_tiles(first, last, cd, dense=True).transpose(-1, -2))
     s = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
     ex = view.exact_in(0, view.n_tiles) if fast else None  # decode_tiles already restored them
     if ex is not None:
@@ -190,14 +197,15 @@ def _tile_key_logits(qs: torch.Tensor, view: StoredKV, cd: torch.dtype) -> torch
 
 def _tile_value_out(p: torch.Tensor, view: StoredKV, cd: torch.dtype) -> torch.Tensor:
     """Output [B, H, M, D] of every packed value tile for probabilities p [B, H, M, n*G]."""
-    fast = _packed_fast(view)
+    fast = _packed_fast(view, p.shape[2])
     step = _tile_chunk(view, p.shape[2])
     g = view.tile
     out = None
     for first in range(0, view.n_tiles, step):
         last = min(first + step, view.n_tiles)
         pc = p[..., first * g:last * g]
-        o = _affine_value_out(pc, view, first, last, cd) if fast else pc @ view.decode_tiles(first, last, cd)
+        o = (_affine_value_out(pc, view, first, last, cd) if fast
+             else pc @ view.decode_tiles(first, last, cd, dense=True))
         out = o if out is None else out + o
     ex = view.exact_in(0, view.n_tiles) if fast else None
     if ex is not None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from kvarn.cache.store import TensorStore
+from kvarn.quant.affine import AffineQuantizer
+from kvarn.quant.affine import decode_tiles as affine_decode
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.tiles import Tiles
 
@@ -93,12 +95,15 @@ class StoredKV:
         idx[:, 2] -= first
         return idx, self.exact_values[sel]
 
-    def decode_tiles(self, first: int, last: int, dtype: torch.dtype) -> torch.Tensor:
-        """Tiles [first, last) decoded, exact tiles restored, `post` applied: [B, H, (last - first) * G, D]."""
+    def decode_tiles(self, first: int, last: int, dtype: torch.dtype, dense: bool = False) -> torch.Tensor:
+        """Tiles [first, last) decoded, exact tiles restored, `post` applied: [B, H, (last - first) * G, D].
+        dense=True (packed attention's many-row read): affine tiles rotated back by one matmul with H in `dtype`
+        (`affine.decode_tiles(dense=True)`); the default is the quantizer's own decode, the reference."""
         b, h, d = self.shape_bhd
         m, g = last - first, self.tile
-        part = self.packed.select((slice(None), slice(None), slice(first, last)))
-        x = self.quantizer.decode(part.flatten(3), dtype).reshape(b, h, m, g, d)
+        part = self.packed.select((slice(None), slice(None), slice(first, last))).flatten(3)
+        x = (affine_decode(part, dtype, dense=True) if dense and isinstance(self.quantizer, AffineQuantizer)
+             else self.quantizer.decode(part, dtype)).reshape(b, h, m, g, d)
         ex = self.exact_in(first, last)
         if ex is not None:
             i, v = ex

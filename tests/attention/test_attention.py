@@ -85,6 +85,28 @@ def test_packed_matches_oracle(preset, d, kind, seed):
             check(q, kn, vn, past, ok)
 
 
+@pytest.mark.parametrize("preset", ["kvarn-k2v2-g64", "kvarn-auto-k2v2-g64", "rtn-k4v2-g64"])
+def test_many_query_rows_decode_order_matches_oracle(preset, seed, monkeypatch):
+    """Prefill chunks (more than FOLD_MAX_ROWS query rows per KV head) decode the tiles and multiply, instead of
+    folding the scales into the query: same oracle, same tolerances; forcing either order on a small chunk agrees."""
+    gen = torch.Generator().manual_seed(seed)
+    b, hkv, d, t = 1, 2, 64, 16 + 4 * 64 + 9
+    outliers, heavy = opposite_heads(gen, t, d)  # kvarn-auto: plain and rotated tiles both present
+    k, v = torch.cat([outliers, heavy], dim=1), make_inputs("heavy", b, hkv, t, d, gen)
+    past = build_past(preset, k, v, sink=16)
+    length = packed_mod.FOLD_MAX_ROWS // 7 + 3  # 7 query heads per KV head: more rows than FOLD_MAX_ROWS
+    q = make_inputs("heavy", b, hkv * 7, length, d, gen)
+    kn, vn = make_inputs("heavy", b, hkv, length, d, gen), make_inputs("heavy", b, hkv, length, d, gen)
+    check(q, kn, vn, past, padding_mask([0], length, t + length))
+    q, kn, vn = fresh(gen, b, hkv * 3, hkv, 5, d)
+    ok = padding_mask([0], 5, t + 5)
+    folded = packed_attention(q.double(), kn, vn, past, ok)
+    monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 0)
+    decoded = packed_attention(q.double(), kn, vn, past, ok)
+    check(q, kn, vn, past, ok)
+    torch.testing.assert_close(decoded, folded, atol=1e-9, rtol=1e-9)  # float64 queries: both orders exact to ~1e-15
+
+
 def test_auto_rotation_mixed_flags(seed):
     """kvarn-auto with heads that favour opposite choices: outlier channels (plain) and heavy tails (rotated)."""
     gen = torch.Generator().manual_seed(seed)

@@ -301,3 +301,25 @@ def test_auto_rotation_decodes_each_tile_its_own_way(seed):
     rot, plain = quantizer("kvarn", 2, "channel", 32).roundtrip(x), quantizer("varn", 2, "channel", 32).roundtrip(x)
     want = torch.where(flags.view(-1, 1, 1), rot, plain)
     assert torch.equal(auto.decode(p), want)
+
+
+@pytest.mark.parametrize("rotate", ["hadamard", "auto", "none"])
+@pytest.mark.parametrize("d", [64, 96])
+def test_dense_rotation_decode_matches_the_butterfly(rotate, d, seed):
+    """decode_tiles(dense=True) (attention's many-tile read: one matmul with H, rotated tiles only) is the same
+    product as the reference butterfly: equal up to float32 rounding of a length-D dot product (~D eps32 |x|),
+    and each tile decodes its own way under "auto" (both kinds present)."""
+    from kvarn.quant.affine import decode_tiles
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.cat([heavy_tailed(3, 32, d, generator=g), torch.randn(3, 32, d, generator=g, dtype=torch.float64)])
+    x[:3, :, :2] *= 30
+    p = AffineQuantizer(AffineConfig(2, "channel", rotate, True, tile=32)).encode(x.float())
+    if rotate == "auto":
+        assert p.rotated.bool().any() and not p.rotated.bool().all()
+    ref = decode_tiles(p)
+    dense = decode_tiles(p, dense=True)
+    scale = float(ref.abs().max())
+    assert (dense - ref).abs().max().item() <= 4 * d * torch.finfo(torch.float32).eps * scale
+    if rotate == "none":
+        assert torch.equal(dense, ref)
