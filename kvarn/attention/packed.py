@@ -32,8 +32,9 @@ processed in chunks of bounded size
 Tiles kept exact (non-finite input) have all-zero packed fields, so they contribute exactly 0 above; their logits
 are overwritten and their value contributions added from the exact copies.
 
-Other quantizers (baselines), keys stored before RoPE and queries of more than `FOLD_MAX_ROWS` rows (prefill
-chunks) take the decode path: each chunk of tiles is decoded
+Queries of more than `FOLD_MAX_ROWS` rows per KV head (prefill chunks; no soft cap) decode the stored layer once and
+run fused SDPA over [past | fresh]: folding scales into every query row costs more than decoding the tiles then.
+Other quantizers (baselines) and keys stored before RoPE take the decode path: each chunk of tiles is decoded
 (`StoredKV.decode_tiles`) and multiplied like an exact segment, inside the same single softmax.
 
 Decode-like steps (few queries) on CPU over KVarN-orientation tiles take the fused C++ kernel instead
@@ -46,6 +47,7 @@ Compute dtype: float32 (float64 for float64 queries). Dropout is not supported (
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvarn.attention import fused
 from kvarn.attention.handoff import attach_observer, attach_past, observe, past_of, take  # noqa: F401 (re-exported)
@@ -256,6 +258,18 @@ def _use_fused(query: torch.Tensor, past: KVarNPast | None) -> bool:
     return past is not None and fused.take(fused.unsupported(query, past.keys, past.values))
 
 
+def _decoded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast, ok: torch.Tensor,
+                  add: torch.Tensor | None, scale: float, cd: torch.dtype) -> torch.Tensor:
+    """Many query rows (prefill chunks): the stored layer decoded once (`StoredKV.dequantized(dense=True)`, a
+    transient [B, Hkv, T, D] copy of one layer) and fused SDPA over [past | fresh]; [B, L, Hq, D]."""
+    k = torch.cat([past.keys.dequantized(cd, dense=True), key.to(cd)], dim=2)
+    v = torch.cat([past.values.dequantized(cd, dense=True), value.to(cd)], dim=2)
+    mask = ok if add is None else add.to(cd).masked_fill(~ok, float("-inf"))
+    out = F.scaled_dot_product_attention(query.to(cd), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = torch.where(ok.any(-1, keepdim=True), out, 0)  # fully masked rows give 0
+    return out.transpose(1, 2).to(query.dtype).contiguous()
+
+
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast | None,
                      attention_mask: torch.Tensor | None = None, scaling: float | None = None,
                      softcap: float | None = None, kernel: bool = True) -> torch.Tensor:
@@ -280,6 +294,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                                                           query.device)
         return fused.fused_attention(query, key, value, past.keys, past.values, ok, attention_mask, scale, softcap)
     ok = allowed(attention_mask, b, length, kv_len, query.device)
+    if past is not None and softcap is None and g * length > FOLD_MAX_ROWS:
+        return _decoded_sdpa(query, key, value, past, ok, _additive(attention_mask), scale, cd)
     add = _additive(attention_mask)
     # queries regrouped per KV head: row j*L + l of head kv is query head kv*g + j at position l
     qs = query.to(cd).reshape(b, hkv, g * length, d) * scale

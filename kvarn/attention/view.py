@@ -110,9 +110,10 @@ class StoredKV:
             x[i[:, 0], i[:, 1], i[:, 2]] = v.to(dtype)
         return self._post(x.reshape(b, h, m * g, d), self.sink_len + first * g)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """[B, H, T, D]: the whole stored content as attention sees it (the reference read path)."""
-        parts = [self.sink_rows(dtype), self.decode_tiles(0, self.n_tiles, dtype) if self.n_tiles else None,
+    def dequantized(self, dtype: torch.dtype, dense: bool = False) -> torch.Tensor:
+        """[B, H, T, D]: the whole stored content as attention sees it (the reference read path; `dense` as in
+        `decode_tiles`)."""
+        parts = [self.sink_rows(dtype), self.decode_tiles(0, self.n_tiles, dtype, dense) if self.n_tiles else None,
                  self.tail_rows(dtype)]
         return torch.cat([p for p in parts if p is not None], dim=2)
 

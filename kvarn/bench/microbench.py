@@ -2,6 +2,13 @@
 
     python -m kvarn.bench.microbench [--contexts 1024 8192] [--threads 1 2] [--repeats 15]
     python -m kvarn.bench.microbench --store [--calls 300]
+    python -m kvarn.bench.microbench --prefill [--contexts 2048 4096] [--threads 2]
+
+--prefill: one prefill chunk of 128 queries through `packed_attention` (PyTorch path; the fused kernel is a decode
+kernel) over a kvarn-auto-k2v2-g128 past of `context` tokens, the task model's layer (Qwen2.5-0.5B: 14 query / 2 KV
+heads, head_dim 64), float32: the two read orders of the same arithmetic, "fold" (scales folded into every query
+row, `FOLD_MAX_ROWS` raised) and "decode" (the layer decoded, then fused SDPA: the default above FOLD_MAX_ROWS
+rows), and SDPA over the dense K/V it was quantized from; interleaved rounds (`kvarn.bench.timing`), median.
 
 --store: the tile-store kernel alone, one layer of the embedded model (3 KV heads: bf16 tiles [3, 128, 64] of keys,
 then of values) for kvarn-k2v2-g128 and kvarn-auto-k2v2-g128, on one thread, CPU time per call (`time.thread_time`,
@@ -20,6 +27,7 @@ import argparse
 import os
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -118,6 +126,43 @@ def run_store(calls: int, presets: tuple[str, ...] = ("kvarn-k2v2-g128", "kvarn-
     return rows
 
 
+def _read_order(rows: int, args: tuple) -> None:
+    """packed_attention's PyTorch path with FOLD_MAX_ROWS = rows (restored after the call)."""
+    import kvarn.attention.packed as packed
+
+    default, packed.FOLD_MAX_ROWS = packed.FOLD_MAX_ROWS, rows
+    try:
+        packed.packed_attention(*args, kernel=False)
+    finally:
+        packed.FOLD_MAX_ROWS = default
+
+
+def run_prefill(contexts: list[int], threads: list[int], repeats: int, chunk: int = 128,
+                preset: str = "kvarn-auto-k2v2-g128") -> list[dict]:
+    from kvarn.bench.timing import interleaved_median
+
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d = 14, 2, 64
+    rows = []
+    for t in contexts:
+        past, k, v = _past(hkv, d, t, preset, gen)
+        q = torch.randn(1, hq, chunk, d, generator=gen)
+        kn, vn = torch.randn(1, hkv, chunk, d, generator=gen), torch.randn(1, hkv, chunk, d, generator=gen)
+        kd, vd = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
+        causal = torch.ones(chunk, t + chunk, dtype=torch.bool).tril(t)
+        args = (q, kn, vn, past)
+        cases = {"fold": partial(_read_order, 1 << 30, args), "decode": partial(_read_order, 0, args),
+                 "sdpa fp32": partial(torch.nn.functional.scaled_dot_product_attention, q, kd, vd, attn_mask=causal,
+                                      enable_gqa=True)}
+        for nt in threads:
+            torch.set_num_threads(nt)
+            med = {c: 1e3 * m for c, m in interleaved_median(cases, repeats).items()}
+            rows.append({"context": t, "threads": nt, "chunk": chunk, **med})
+            print(f"prefill chunk {chunk} over T={t:6d} threads={nt}  " + "  ".join(f"{c} {m:.2f} ms" for c, m in
+                  med.items()) + f"  fold/decode {med['fold'] / med['decode']:.2f}x", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
@@ -126,9 +171,12 @@ def main() -> None:
     ap.add_argument("--preset", default="kvarn-k2v2-g128")
     ap.add_argument("--store", action="store_true", help="time the tile-store kernel instead (module docstring)")
     ap.add_argument("--calls", type=int, default=300, help="--store: timed calls per case")
+    ap.add_argument("--prefill", action="store_true", help="time a prefill chunk's read orders (module docstring)")
     a = ap.parse_args()
     if a.store:
         run_store(a.calls)
+    elif a.prefill:
+        run_prefill(a.contexts, a.threads, a.repeats)
     else:
         run(a.contexts, a.threads, a.repeats, a.preset)
 
