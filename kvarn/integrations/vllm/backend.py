@@ -224,6 +224,7 @@ class KVarNAttentionImpl(AttentionImpl):
             return output
         n = attn_metadata.num_actual_tokens
         pool = self._layer_pool(kv_cache, query.dtype)
-        exact = write_step(pool, attn_metadata.plan, key[:n], value[:n], getattr(layer, "layer_name", "?"))
-        attend_step(pool, attn_metadata.plan, query[:n], output[:n], exact, self.scale, self.softcap)
+        name = getattr(layer, "layer_name", "?")
+        exact = write_step(pool, attn_metadata.plan, key[:n], value[:n], name)
+        attend_step(pool, attn_metadata.plan, query[:n], output[:n], exact, self.scale, self.softcap, name)
         return output

@@ -6,8 +6,12 @@ filled (incomplete at the end of a step). Slots are assigned per physical block 
 
 Lifetimes, as the backend sees vLLM's blocks through the block tables:
   * a block whose first token is written in this step holds new content: whatever slot it held is released first;
-  * a filling block that completes is quantized in this step and its slot released at the start of the next one
-    (this step's layers still read its exact rows);
+  * a block that completes in this step holds a slot for this step (a filling block keeps its own, one filled
+    within the step gets one), released at the start of the next one: a layer whose tile of it cannot be quantized
+    (non-finite K/V, a scale or the reconstruction overflowing) writes the block's exact rows there and marks it
+    exact for that layer (`exact`), and the slot is then kept for good, like a sink's; the read path restores such a
+    block from its slot in that layer (`paged`), as the transformers cache restores a tile kept exact. Reserving
+    the slot in the plan means the mark never waits for room in the middle of a forward pass;
   * a sink block keeps its slot after its request ends, so a prefix-cache hit finds it exact;
   * the backend is not told when a request ends, so the slot of its last (partial) block stays held until vLLM
     reuses the block or the slot is needed: when none is free, the least recently used slot of a block that this
@@ -15,8 +19,10 @@ Lifetimes, as the backend sees vLLM's blocks through the block tables:
     (every complete block is packed, sink blocks included), with a warning, and is counted (`lost_sink_reads`); a
     running request whose filling block lost its slot (possible only if it went unscheduled for longer than the
     pool's slack) stops with an error naming the fix, never a wrong answer.
-Capacity: `fp_slots` >= (sink blocks + 2) * max_num_seqs keeps every running sequence's blocks (the +2: a block
-completing and the next one being filled within one step).
+Capacity: `fp_slots` >= (sink blocks + 2) * max_num_seqs + max_num_batched_tokens / G keeps every running
+sequence's blocks (the +2: a block completing and the next one being filled within one step; the last term: blocks
+filled within one step's chunks); `min_fp_slots`. Blocks kept exact for non-finite values come on top, until vLLM
+reuses their block.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ class RequestPlan:
     computed: int  # tokens already in the cache before this step
     length: int  # tokens in the cache after this step
     blocks: list[int]  # physical block id of each logical block 0 .. ceil(length / G) - 1
-    slots: list[int | None]  # fp slot of each logical block (None: read its packed form)
+    slots: list[int | None]  # fp slot of each logical block (None: none; blocks >= sink read packed unless exact)
 
 
 @dataclass
@@ -46,6 +52,16 @@ class StepPlan:
     tile: int
     sink_blocks: int
     lost_sinks: list[tuple[int, int]] = field(default_factory=list)  # (request index, logical block)
+    # block -> layers in which it is kept exact (the table's live dict: a layer's store marks blocks during the step)
+    exact: dict[int, set[str]] = field(default_factory=dict)
+
+    def exact_in(self, layer: str, block: int) -> bool:
+        return layer in self.exact.get(block, ())
+
+
+def min_fp_slots(sink_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, tile: int) -> int:
+    """fp slots per layer that `max_num_seqs` running sequences can need in one step (module docstring)."""
+    return (sink_blocks + 2) * max_num_seqs + -(-max_num_batched_tokens // tile)
 
 
 class SlotTable:
@@ -55,6 +71,7 @@ class SlotTable:
         self.n_slots, self.tile, self.sink_blocks = n_slots, tile, sink_blocks
         self.slot_of: dict[int, int] = {}
         self.sink: set[int] = set()  # blocks whose slot is a sink (kept after their request)
+        self.exact: dict[int, set[str]] = {}  # blocks kept exact for good, by layer (non-finite or overflowing tiles)
         self.last_use: dict[int, int] = {}
         self.free = list(range(n_slots - 1, -1, -1))
         self.release_next: list[int] = []
@@ -68,11 +85,13 @@ class SlotTable:
         if s is not None:
             self.free.append(s)
         self.sink.discard(block)
+        self.exact.pop(block, None)
         self.last_use.pop(block, None)
 
     def _take(self, block: int, in_use: set[int]) -> int:
         if not self.free:
-            idle = [b for b in self.slot_of if b not in in_use]
+            idle = [b for b in self.slot_of if b not in in_use and b not in self.exact]  # an exact block has no
+            # other faithful copy: it keeps its slot until vLLM reuses the block
             if not idle:
                 raise RuntimeError(f"kvarn: all {self.n_slots} full-precision blocks are in use by running sequences; "
                                    "raise additional_config kvarn.fp_slots or lower max_num_seqs")
@@ -88,7 +107,7 @@ class SlotTable:
         """One step: assign slots for every request (lists indexed by request)."""
         self.step += 1
         for b in self.release_next:
-            if b not in self.sink:
+            if b not in self.sink and b not in self.exact:
                 self._release(b)
         self.release_next = []
         g, sb = self.tile, self.sink_blocks
@@ -98,6 +117,8 @@ class SlotTable:
             in_use.update(bt[:min(nc // g, sb)])
             if nc % g:
                 in_use.add(bt[nc // g])
+            if self.exact:  # blocks kept exact are read from their slot
+                in_use.update(b for b in bt[:nc // g] if b in self.exact)
         plans = []
         for i, (nc, n, bt) in enumerate(zip(computed, lengths, block_rows)):
             slots: list[int | None] = [None] * len(bt)
@@ -116,12 +137,19 @@ class SlotTable:
                         self._take(b, in_use)
                     if j < sb:
                         self.sink.add(b)
-                elif b in self.slot_of:  # a filling block completes: its exact rows are read this step
+                else:  # completes: a slot for this step, in case a layer must keep it exact (docstring)
+                    if b not in self.slot_of:
+                        self._take(b, in_use)
                     self.release_next.append(b)
                 slots[j] = self.slot_of.get(b)
                 self.last_use[b] = self.step
+            if self.exact:
+                for j in range(sb, nc // g):
+                    if bt[j] in self.exact:
+                        slots[j] = self.slot_of[bt[j]]
+                        self.last_use[bt[j]] = self.step
             plans.append(RequestPlan(rows[i], nc, n, bt, slots))
-        plan = StepPlan(plans, g, sb)
+        plan = StepPlan(plans, g, sb, exact=self.exact)
         for i, p in enumerate(plans):  # sink blocks read as past
             for j in range(min(p.computed // g, sb)):
                 b = p.blocks[j]

@@ -56,6 +56,8 @@ class Engine:
         self.free = list(range(1, num_blocks))  # block 0 is vLLM's null block
         self.blocks: dict[str, list[int]] = {}
         self.hist: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # K, V, Q [T, H(q), D] so far
+        self.poison: dict[str, list[tuple[int, str, int, int, float]]] = {}  # rid -> (position, "k"/"v", head, ch, x)
+        self.exact: dict[str, set[int]] = {}  # rid -> logical blocks the oracle reads exact (poisoned ones)
 
     def add(self, rid: str, shared_from: tuple[str, int] | None = None) -> None:
         self.blocks[rid] = []
@@ -81,6 +83,10 @@ class Engine:
                 self.blocks[rid].append(self.free.pop(0))
             k, v = torch.randn(t, H, D, generator=gen), torch.randn(t, H, D, generator=gen)
             k[:, 0, 3] *= 8  # one heavy key channel, as real models have
+            for pos, kind, h, c, x in self.poison.get(rid, ()):
+                if nc <= pos < nc + t:
+                    (k if kind == "k" else v)[pos - nc, h, c] = x
+                    self.exact.setdefault(rid, set()).add(pos // G)
             q = torch.randn(t, HQ, D, generator=gen)
             self.hist[rid] = (torch.cat([k_old, k]), torch.cat([v_old, v]), torch.cat([q_old, q]))
             rows.append((at, at + t))
@@ -95,7 +101,7 @@ class Engine:
         key, value, query = torch.cat(keys), torch.cat(values), torch.cat(queries)
         out = torch.zeros_like(query)
         exact = write_step(self.pool, plan, key, value, "test")
-        attend_step(self.pool, plan, query, out, exact, D ** -0.5, None)
+        attend_step(self.pool, plan, query, out, exact, D ** -0.5, None, "test")
         return {rid: out[r0:r1] for rid, (r0, r1) in zip(work, rows)}
 
     def oracle(self, rid: str, first: int) -> torch.Tensor:
@@ -103,7 +109,7 @@ class Engine:
         k, v, q = (x.double() for x in self.hist[rid])
         t = k.shape[0]
         kd, vd = k.clone(), v.clone()
-        for j in range(self.sink_blocks, t // G):  # complete non-sink blocks as stored
+        for j in set(range(self.sink_blocks, t // G)) - self.exact.get(rid, set()):  # complete blocks as stored
             sl = slice(j * G, (j + 1) * G)
             for full, dq, quant in ((k, kd, self.lay.key_q), (v, vd, self.lay.value_q)):
                 dq[sl] = quant.decode(quant.encode(full[sl].transpose(0, 1).float())).double().transpose(0, 1)
@@ -123,7 +129,7 @@ def _check(eng: Engine, outs: dict[str, torch.Tensor]) -> None:
     for rid, o in outs.items():
         t = eng.hist[rid][0].shape[0]
         ref = eng.oracle(rid, t - o.shape[0])
-        torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-4, msg=f"request {rid}")
+        torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-4, equal_nan=True, msg=f"request {rid}")
 
 
 @pytest.mark.parametrize("sink_blocks", [0, 1, 2])
@@ -158,7 +164,7 @@ def test_outputs_do_not_depend_on_chunking(read_path) -> None:
             plan = eng.table.plan([(0, c)], [at], [at + c], [list(eng.blocks["r"])])
             o = torch.zeros(c, HQ, D)
             exact = write_step(eng.pool, plan, k[at:at + c], v[at:at + c], "t")
-            attend_step(eng.pool, plan, q[at:at + c], o, exact, D ** -0.5, None)
+            attend_step(eng.pool, plan, q[at:at + c], o, exact, D ** -0.5, None, "t")
             outs.append(o)
             at += c
         pages = eng.pool.packed[torch.tensor(eng.blocks["r"][1:3])].clone()  # the two packed (non-sink) blocks
@@ -230,6 +236,57 @@ def test_pool_exhaustion_evicts_idle_sink_then_reads_packed_copy(read_path) -> N
     # the block is read packed: the oracle with no sink blocks gives the same answer
     eng.sink_blocks = 0
     _check(eng, out)
+
+
+def test_blocks_that_cannot_be_quantized_are_kept_exact(read_path) -> None:
+    """A completed block with a huge key (its fp16 scale overflows), an inf value or a NaN value among normal blocks:
+    kept exact in this layer's fp pool (not the engine stopped), read exact by later queries of the same step, of
+    later steps and of a prefix-cache hit, equal to the oracle that reads exactly those blocks exact (inf/NaN where
+    full-precision attention gives them); the mark and its slot go when the block is reused."""
+    gen = torch.Generator().manual_seed(13)
+    eng = Engine(sink_blocks=1)
+    eng.add("a")
+    eng.add("b")
+    eng.poison["a"] = [(G + 5, "k", 1, 0, 3e7), (2 * G + 9, "v", 0, 3, float("inf"))]  # blocks 1 and 2 of a
+    eng.poison["b"] = [(3 * G + 2, "v", 1, 5, float("nan"))]  # block 3 of b, filled over decode steps
+    # a's chunks start at its inf row (an earlier query of the same chunk would give 0 * inf = NaN for it when masking
+    # it, as full-precision attention by matmul does): block 1 completes in the first chunk and is read exact by
+    # block 2's queries of that chunk; block 2 in the second, read by block 3's
+    _check(eng, eng.step({"a": 2 * G + 9, "b": 3 * G}, gen))
+    _check(eng, eng.step({"a": G}, gen))
+    assert eng.exact == {"a": {1, 2}}
+    marked = {eng.blocks["a"][1], eng.blocks["a"][2]}
+    assert set(eng.table.exact) == marked and all(eng.table.exact[b] == {"test"} for b in marked)
+    for _ in range(G + 1):  # b fills block 3 token by token (the poisoned one early) and completes it
+        _check(eng, eng.step({"a": 1, "b": 1}, gen))
+    assert eng.exact["b"] == {3} and eng.blocks["b"][3] in eng.table.exact
+    slots = {b: eng.table.slot_of[b] for b in eng.table.exact}
+    eng.add("c", shared_from=("a", 3))  # a prefix-cache hit on a's blocks 0-2: reads 1 and 2 exact
+    eng.exact["c"] = {1, 2}
+    _check(eng, eng.step({"c": 7, "a": 1}, gen))
+    assert {b: eng.table.slot_of[b] for b in eng.table.exact} == slots  # kept for good, never moved
+    for rid in ("a", "b", "c"):
+        eng.finish(rid)
+    eng.add("d")
+    while not set(eng.blocks["d"]) & set(slots):  # vLLM hands the blocks out again: new content, mark dropped
+        _check(eng, eng.step({"d": G}, gen))
+    reused = set(eng.blocks["d"]) & set(slots)
+    assert not reused & set(eng.table.exact)
+
+
+def test_unquantizable_tile_marks_whole_block_and_zeroes_packed_fields() -> None:
+    """`_store_tiles` flags the block of a bad tile (any head, keys or values) and zeroes its packed fields; the
+    other blocks are stored as the quantizer encodes them."""
+    gen = torch.Generator().manual_seed(17)
+    eng = Engine()
+    k, v = torch.randn(3, H, G, D, generator=gen), torch.randn(3, H, G, D, generator=gen)
+    v[1, 1, 4, 2] = float("nan")
+    bad = paged._store_tiles(eng.pool, k, v, [4, 7, 9])
+    assert bad.tolist() == [False, True, False]
+    assert not eng.pool.packed[7].any()
+    ref = eng.lay.key_q.encode(k[2])
+    for name, view in eng.pool.key_fields.items():
+        assert torch.equal(view[9], ref.tensors()[name])
 
 
 def test_capacity_geometry_smollm2_shapes() -> None:
