@@ -12,7 +12,7 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
      quantized together (one `encode_tiles` for all of them, the quantizer of the transformers cache) into their
      pages; a block with a tile that cannot be quantized (non-finite K/V, a scale or the reconstruction overflowing:
      the transformers cache's test, `kvarn.cache.store.fits_dtype`) has its packed fields zeroed and its exact rows
-     written to the fp slot the plan reserved for it, and is marked exact in this layer; sink blocks and incomplete
+     written to an fp slot (`SlotTable.take_exact`), and is marked exact in this layer; sink blocks and incomplete
      blocks also (re)write their fp slot;
   2. read: per request and per query block j, one softmax over blocks < j and block j's exact rows, by one of
      - the fused C++ kernel (through `kvarn.attention.launch`), for decode-like pieces (<= `fused.MAX_QUERIES` queries
@@ -65,7 +65,7 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
     lay = pool.layout
     g, fp = lay.tile, lay.fp_dtype
     exact: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    done_k, done_v, done_blocks, done_slots = [], [], [], []
+    done_k, done_v, done_blocks, done_where = [], [], [], []
     for i, p, j, rows, hi in _pieces(plan, g):
         nc = p.computed
         fk = key[rows].transpose(0, 1)  # [H, t, D]
@@ -83,8 +83,8 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
             done_k.append(fk)
             done_v.append(fv)
             done_blocks.append(p.blocks[j])
-            done_slots.append(s)
-        if s is not None and (j < plan.sink_blocks or not complete):  # completing blocks: only if kept exact
+            done_where.append((p, j))
+        if s is not None and (j < plan.sink_blocks or not complete):  # a completing block's slot: only kept exact
             slot = old if old is not None else torch.zeros(fk.shape[0], 2, g, lay.head_dim, dtype=fp)
             slot[:, 0, :fk.shape[1]] = fk.to(fp)
             slot[:, 1, :fv.shape[1]] = fv.to(fp)
@@ -93,11 +93,13 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
         k, v = torch.stack(done_k), torch.stack(done_v)
         bad = _store_tiles(pool, k, v, done_blocks)
         for t in bad.nonzero().flatten().tolist():
-            s = done_slots[t]
-            if s is None:
-                raise RuntimeError(f"kvarn: layer {layer}: block {done_blocks[t]} completed without an fp slot "
-                                   "reserved (a bug in the slot plan)")
-            pool.write_slot(s, torch.stack([k[t], v[t]], dim=1).to(fp))  # [H, 2, G, D]
+            p, j = done_where[t]
+            if p.slots[j] is None:
+                if plan.take_exact is None:
+                    raise RuntimeError(f"kvarn: layer {layer}: block {done_blocks[t]} cannot be quantized and this "
+                                       "plan has no slot table to keep it exact")
+                p.slots[j] = plan.take_exact(done_blocks[t])
+            pool.write_slot(p.slots[j], torch.stack([k[t], v[t]], dim=1).to(fp))  # [H, 2, G, D]
             if done_blocks[t] not in plan.exact:
                 log.warning("kvarn: layer %s: block %d holds keys/values that cannot be quantized (non-finite or "
                             "overflowing); kept exact in the full-precision pool", layer, done_blocks[t])

@@ -6,12 +6,14 @@ filled (incomplete at the end of a step). Slots are assigned per physical block 
 
 Lifetimes, as the backend sees vLLM's blocks through the block tables:
   * a block whose first token is written in this step holds new content: whatever slot it held is released first;
-  * a block that completes in this step holds a slot for this step (a filling block keeps its own, one filled
-    within the step gets one), released at the start of the next one: a layer whose tile of it cannot be quantized
-    (non-finite K/V, a scale or the reconstruction overflowing) writes the block's exact rows there and marks it
-    exact for that layer (`exact`), and the slot is then kept for good, like a sink's; the read path restores such a
-    block from its slot in that layer (`paged`), as the transformers cache restores a tile kept exact. Reserving
-    the slot in the plan means the mark never waits for room in the middle of a forward pass;
+  * a filling block that completes is quantized in this step and its slot released at the start of the next one
+    (this step's layers still read its exact rows);
+  * a completed block whose tile cannot be quantized in some layer (non-finite K/V, a scale or the reconstruction
+    overflowing) is kept exact in that layer: the layer writes its exact rows to the block's slot (its filling slot,
+    or one taken then, `take_exact`: a free slot, else the least recently used one of a block this step does not
+    read) and marks it (`exact`); the slot is then kept until vLLM reuses the block, never evicted, and the read
+    path restores the block from it in that layer (`paged`), as the transformers cache restores a tile kept exact.
+    The slot index is taken in every layer's pool; only the marking layers use it;
   * a sink block keeps its slot after its request ends, so a prefix-cache hit finds it exact;
   * the backend is not told when a request ends, so the slot of its last (partial) block stays held until vLLM
     reuses the block or the slot is needed: when none is free, the least recently used slot of a block that this
@@ -19,15 +21,14 @@ Lifetimes, as the backend sees vLLM's blocks through the block tables:
     (every complete block is packed, sink blocks included), with a warning, and is counted (`lost_sink_reads`); a
     running request whose filling block lost its slot (possible only if it went unscheduled for longer than the
     pool's slack) stops with an error naming the fix, never a wrong answer.
-Capacity: `fp_slots` >= (sink blocks + 2) * max_num_seqs + max_num_batched_tokens / G keeps every running
-sequence's blocks (the +2: a block completing and the next one being filled within one step; the last term: blocks
-filled within one step's chunks); `min_fp_slots`. Blocks kept exact for non-finite values come on top, until vLLM
-reuses their block.
+Capacity: `fp_slots` >= (sink blocks + 2) * max_num_seqs keeps every running sequence's blocks (the +2: a block
+completing and the next one being filled within one step): `SEQ_FP_BLOCKS`. Blocks kept exact come on top.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,14 +55,18 @@ class StepPlan:
     lost_sinks: list[tuple[int, int]] = field(default_factory=list)  # (request index, logical block)
     # block -> layers in which it is kept exact (the table's live dict: a layer's store marks blocks during the step)
     exact: dict[int, set[str]] = field(default_factory=dict)
+    take_exact: Callable[[int], int] | None = None  # block -> its slot, taken if it has none (`SlotTable.take_exact`)
 
     def exact_in(self, layer: str, block: int) -> bool:
         return layer in self.exact.get(block, ())
 
 
-def min_fp_slots(sink_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, tile: int) -> int:
-    """fp slots per layer that `max_num_seqs` running sequences can need in one step (module docstring)."""
-    return (sink_blocks + 2) * max_num_seqs + -(-max_num_batched_tokens // tile)
+SEQ_FP_BLOCKS = 2  # fp blocks per running sequence besides its sink blocks: the block being filled, one completing
+
+
+def seq_fp_slots(sink_blocks: int) -> int:
+    """fp slots per layer that one running sequence can need in one step (module docstring)."""
+    return sink_blocks + SEQ_FP_BLOCKS
 
 
 class SlotTable:
@@ -78,6 +83,7 @@ class SlotTable:
         self.step = 0
         self.lost_sink_reads = 0  # prefix-cache hits on sink blocks whose exact copy was evicted
         self.evictions = 0
+        self._in_use: set[int] = set()  # blocks the current step reads or writes (not evictable during it)
         self._warned = False
 
     def _release(self, block: int) -> None:
@@ -101,6 +107,12 @@ class SlotTable:
         s = self.free.pop()
         self.slot_of[block] = s
         return s
+
+    def take_exact(self, block: int) -> int:
+        """The slot of a block that a layer keeps exact, during the step that completed it: its own, else a free one,
+        else that of the least recently used block this step does not read (`_take`)."""
+        s = self.slot_of.get(block)
+        return s if s is not None else self._take(block, self._in_use)
 
     def plan(self, rows: list[tuple[int, int]], computed: list[int], lengths: list[int],
              block_rows: list[list[int]]) -> StepPlan:
@@ -137,9 +149,7 @@ class SlotTable:
                         self._take(b, in_use)
                     if j < sb:
                         self.sink.add(b)
-                else:  # completes: a slot for this step, in case a layer must keep it exact (docstring)
-                    if b not in self.slot_of:
-                        self._take(b, in_use)
+                elif b in self.slot_of:  # a filling block completes: its exact rows are read this step
                     self.release_next.append(b)
                 slots[j] = self.slot_of.get(b)
                 self.last_use[b] = self.step
@@ -149,7 +159,8 @@ class SlotTable:
                         slots[j] = self.slot_of[bt[j]]
                         self.last_use[bt[j]] = self.step
             plans.append(RequestPlan(rows[i], nc, n, bt, slots))
-        plan = StepPlan(plans, g, sb, exact=self.exact)
+        plan = StepPlan(plans, g, sb, exact=self.exact, take_exact=self.take_exact)
+        self._in_use = in_use
         for i, p in enumerate(plans):  # sink blocks read as past
             for j in range(min(p.computed // g, sb)):
                 b = p.blocks[j]
