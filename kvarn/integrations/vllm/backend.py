@@ -30,9 +30,9 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvarn.integrations.vllm.config import Settings, check_engine, settings_of
-from kvarn.integrations.vllm.layout import PageGeometry, TileLayout, choose_geometry
+from kvarn.integrations.vllm.layout import FP_SHARE_MAX, PageGeometry, TileLayout, choose_geometry, choose_pool
 from kvarn.integrations.vllm.paged import attend_step, write_step
-from kvarn.integrations.vllm.pool import LayerPool, SlotTable, StepPlan
+from kvarn.integrations.vllm.pool import LayerPool, SlotTable, StepPlan, seq_fp_slots
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
 
@@ -40,6 +40,7 @@ log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers 
 # The config this worker process builds its model with, seen while the model's layers are made (vLLM sets it as
 # "current" then) and kept for later hooks that run outside that context (customize_spec).
 _CONFIG: list[Any] = []
+_LOGGED: set[str] = set()
 
 
 def _remember_config() -> None:
@@ -66,7 +67,7 @@ def _settings(vllm_config: Any = None) -> Settings:
 
 
 def default_fp_slots(settings: Settings, max_num_seqs: int) -> int:
-    return settings.fp_slots or (settings.sink_blocks + 2) * max_num_seqs
+    return settings.fp_slots or seq_fp_slots(settings.sink_blocks) * max_num_seqs
 
 
 class KVarNAttentionBackend(AttentionBackend):
@@ -118,12 +119,39 @@ def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> Pa
                          "kv_cache_memory_bytes): the full-precision pool is carved from it")
     layers = len(get_layers_from_vllm_config(cfg, Attention)) or cfg.model_config.get_num_layers(cfg.parallel_config)
     lay = TileLayout(s.preset, head_dim, cfg.model_config.dtype)
-    slots = default_fp_slots(s, cfg.scheduler_config.max_num_seqs)
-    geo = choose_geometry(lay, num_kv_heads, layers, budget, slots)
-    log.info("kvarn: preset %s, %d bytes per head per block (%d packed + %d fp pool share, %d blocks per fp slot); "
-             "%.2fx the tokens of a bf16 cache per byte", s.preset.name, geo.layout.tile * geo.c, lay.packed_bytes,
-             lay.tile * geo.e, geo.blocks_per_slot, geo.tokens_ratio_vs_bf16())
+    sched = cfg.scheduler_config
+    if s.fp_slots:  # asked for: exactly that pool, or a refusal
+        geo = choose_geometry(lay, num_kv_heads, layers, budget, s.fp_slots)
+    else:
+        geo, seqs = choose_pool(lay, num_kv_heads, layers, budget, sched.max_num_seqs,
+                                lambda n: default_fp_slots(s, n))
+        if seqs < sched.max_num_seqs:
+            lower_max_num_seqs(cfg, seqs, budget)
+    seq = seq_fp_slots(s.sink_blocks)
+    msg = (f"kvarn: preset {s.preset.name}, {geo.layout.tile * geo.c} bytes per head per block ({lay.packed_bytes} "
+           f"packed + {lay.tile * geo.e} fp pool share, {geo.blocks_per_slot} blocks per fp slot); "
+           f"{geo.tokens_ratio_vs_bf16():.2f}x the tokens of a bf16 cache per byte; a running sequence holds {seq} fp "
+           f"blocks per layer ({seq * lay.fp_bytes * num_kv_heads * layers / 2**20:.2f} MiB over {layers} layers), "
+           f"the pool {geo.fp_slots(budget // (layers * geo.page_bytes))} per layer")
+    if msg not in _LOGGED:  # customize_spec runs once per layer
+        _LOGGED.add(msg)
+        log.info(msg)
     return geo
+
+
+def lower_max_num_seqs(cfg: Any, seqs: int, budget: int) -> None:
+    """Cap the scheduler's max_num_seqs at what the fp pool holds, as vLLM caps its own limits: the engine core
+    builds its scheduler from this very config after the KV cache spec is made (single-process executor). Ranks of a
+    multi-process executor hold copies the scheduler never sees: refused there."""
+    sched = cfg.scheduler_config
+    if cfg.parallel_config.world_size > 1:
+        raise ValueError(f"kvarn: the full-precision pool of a {budget / 2**30:.2f} GiB KV cache holds {seqs} "
+                         f"sequences, fewer than max_num_seqs={sched.max_num_seqs}; with several ranks kvarn cannot "
+                         f"lower it itself: pass max_num_seqs={seqs} (or raise the KV budget)")
+    log.warning("kvarn: the full-precision pool (at most %d%% of the %.2f GiB KV cache) holds the sink and filling "
+                "blocks of %d sequences: max_num_seqs lowered from %d to %d", round(FP_SHARE_MAX * 100),
+                budget / 2**30, seqs, sched.max_num_seqs, seqs)
+    sched.max_num_seqs = seqs
 
 
 @dataclass

@@ -13,6 +13,7 @@ allocates, so vLLM's own capacity report counts it: a page costs G*C bytes per h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,3 +125,37 @@ def choose_geometry(layout: TileLayout, num_kv_heads: int, num_layers: int, budg
                      f"{slots // 2} sequences) do not fit in a KV cache of {budget / 2**30:.2f} GiB; lower "
                      "max_num_seqs, or raise the KV budget (VLLM_CPU_KVCACHE_SPACE / kv_cache_memory_bytes), or set "
                      "additional_config kvarn.fp_slots")
+
+
+FP_SHARE_MAX = 0.5  # the most of each page (so of the KV budget) the fp pool takes when it must lower concurrency
+
+
+def _num_blocks(geo: PageGeometry, num_layers: int, budget: int) -> int:
+    return budget // (num_layers * geo.page_bytes)
+
+
+def choose_pool(layout: TileLayout, num_kv_heads: int, num_layers: int, budget: int, max_num_seqs: int,
+                slots_for: Callable[[int], int]) -> tuple[PageGeometry, int]:
+    """(geometry, sequences) for a pool sized from the KV budget. `slots_for(n)`: fp blocks per layer that n running
+    sequences need.
+
+    The smallest fp share that holds `slots_for(max_num_seqs)` blocks (`choose_geometry`), if it takes at most
+    FP_SHARE_MAX of a page; else the pool keeps to FP_SHARE_MAX, the sequences are lowered to the most whose blocks
+    its largest share within that holds, and the share is again the smallest that holds those (so a second call with
+    the lowered count returns the same geometry). ValueError if not even one sequence fits."""
+    within = [e for e in layout.share_choices() if e <= FP_SHARE_MAX * (layout.c0 + e)]
+    for e in within:
+        geo = PageGeometry(layout, num_kv_heads, e)
+        if geo.fp_slots(_num_blocks(geo, num_layers, budget)) >= slots_for(max_num_seqs):
+            return geo, max_num_seqs
+    top = PageGeometry(layout, num_kv_heads, within[-1]) if within else None
+    have = top.fp_slots(_num_blocks(top, num_layers, budget)) if top is not None else 0
+    seqs = max_num_seqs
+    while seqs > 0 and slots_for(seqs) > have:
+        seqs -= 1
+    if seqs == 0:
+        raise ValueError(f"kvarn: a KV cache of {budget / 2**30:.3f} GiB cannot hold the full-precision blocks of even "
+                         f"one sequence ({slots_for(1)} per layer: sink blocks and the blocks being filled) within "
+                         f"{FP_SHARE_MAX:.0%} of it; raise the KV budget (VLLM_CPU_KVCACHE_SPACE / "
+                         "kv_cache_memory_bytes) or lower the sink")
+    return choose_geometry(layout, num_kv_heads, num_layers, budget, slots_for(seqs)), seqs

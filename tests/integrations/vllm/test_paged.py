@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvarn.integrations.vllm import paged
-from kvarn.integrations.vllm.layout import PageGeometry, TileLayout, choose_geometry
+from kvarn.integrations.vllm.layout import FP_SHARE_MAX, PageGeometry, TileLayout, choose_geometry, choose_pool
 from kvarn.integrations.vllm.paged import attend_step, write_step
 from kvarn.integrations.vllm.pool import LayerPool, SlotTable
 from kvarn.presets import affine_preset
@@ -303,6 +303,34 @@ def test_capacity_geometry_smollm2_shapes() -> None:
         assert num_blocks * 128 / stock_tokens >= target, (name, num_blocks * 128 / stock_tokens)
     with pytest.raises(ValueError, match="lower max_num_seqs"):
         choose_geometry(lay, 3, 30, 2**30, slots=3 * 256)
+
+
+def test_pool_sized_from_the_budget_lowers_concurrency_instead_of_refusing() -> None:
+    """vLLM's CPU defaults (max_num_seqs 256 for LLM) with 1 GiB on SmolLM2's geometry: the pool keeps to at most half
+    of each page, holds the most sequences it can (fewer than 256) and is the smallest share that holds them; a
+    count that fits keeps the smallest share (today's rule, same as choose_geometry); a budget that cannot hold one
+    sequence is refused."""
+    from kvarn.presets import get_preset
+
+    for name in ("kvarn-k2v2-g128", "kvarn-k4v2-g128"):
+        lay = TileLayout(get_preset(name), 64, torch.bfloat16)
+
+        def need(n: int) -> int:
+            return 3 * n  # 1 sink block + 2 per sequence
+
+        def slots(g: PageGeometry) -> int:
+            return g.fp_slots(2**30 // (30 * g.page_bytes))
+
+        geo, seqs = choose_pool(lay, 3, 30, 2**30, 256, need)
+        assert 1 <= seqs < 256
+        assert geo.e <= FP_SHARE_MAX * geo.c and slots(geo) >= need(seqs)
+        capped = [e for e in lay.share_choices() if e <= FP_SHARE_MAX * (lay.c0 + e)][-1]
+        assert slots(PageGeometry(lay, 3, capped)) < need(seqs + 1)  # the most the capped share holds
+        assert choose_pool(lay, 3, 30, 2**30, seqs, need) == (geo, seqs)  # a second call agrees
+        small, n = choose_pool(lay, 3, 30, 2**30, 8, need)
+        assert n == 8 and small == choose_geometry(lay, 3, 30, 2**30, need(8))
+        with pytest.raises(ValueError, match="even one sequence"):
+            choose_pool(lay, 3, 30, 2**20, 256, need)
 
 
 def test_page_fields_round_trip_through_views() -> None:
