@@ -125,7 +125,8 @@ class KVarNAttentionBackend(AttentionBackend):
         cfg = _config()
         s = _settings(cfg)
         if getattr(spec, "sliding_window", None) is not None:
-            if not cfg.scheduler_config.disable_hybrid_kv_cache_manager:
+            packed = any(a.sliding_window is None for a in get_layers_from_vllm_config(cfg, Attention).values())
+            if packed and not cfg.scheduler_config.disable_hybrid_kv_cache_manager:
                 raise ValueError("kvarn: this model has sliding-window layers; pass "
                                  "disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager): vLLM's "
                                  "hybrid KV cache manager would share page tensors between them and the kvarn layers, "
