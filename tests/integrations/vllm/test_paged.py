@@ -274,6 +274,35 @@ def test_blocks_that_cannot_be_quantized_are_kept_exact(read_path) -> None:
     assert not reused & set(eng.table.exact)
 
 
+@pytest.mark.parametrize("e_index", [4, 3])
+def test_block_kept_exact_in_a_full_pool_evicts_an_idle_slot(e_index: int, read_path) -> None:
+    """A block filled and completed within one chunk has no slot; when the pool has no free one, keeping it exact
+    evicts the least recently used slot of a block this step does not read (an idle sink), and is read exact. With 4
+    slots, all held by this request (sink, an exact block, one completing, one filling), there is none to take: a
+    RuntimeError naming fp_slots (what stops the engine, docs/VLLM.md), never a wrong answer."""
+    gen = torch.Generator().manual_seed(19)
+    eng = Engine(sink_blocks=1, num_blocks=64, e_index=e_index)  # 8 or 4 fp slots
+    for i in range(eng.pool.n_slots):  # finished requests' sinks fill the pool
+        eng.add(f"x{i}")
+        eng.step({f"x{i}": G}, gen)
+        eng.finish(f"x{i}")
+    assert not eng.table.free
+    eng.add("a")
+    eng.poison["a"] = [(G + 3, "v", 1, 0, float("inf"))]  # block 1 of a
+    _check(eng, eng.step({"a": G + 3}, gen))  # sink (evicts one) + block 1 partial: filling (evicts one)
+    _check(eng, eng.step({"a": 2 * G}, gen))  # block 1 completes, block 2 completes within the chunk, block 3 reads
+    assert eng.exact["a"] == {1} and eng.blocks["a"][1] in eng.table.exact
+    evictions = eng.table.evictions
+    eng.poison["a"] += [(4 * G + 5, "k", 0, 2, float("nan"))]  # block 4: filled and completed within the next chunk
+    if eng.pool.n_slots == 4:
+        with pytest.raises(RuntimeError, match="fp_slots"):
+            eng.step({"a": 2 * G}, gen)
+        return
+    _check(eng, eng.step({"a": 2 * G}, gen))  # [3G + 3, 5G + 3): block 3 completes, 4 fills and completes, 5 reads
+    assert eng.exact["a"] == {1, 4} and eng.blocks["a"][4] in eng.table.exact
+    assert eng.table.evictions > evictions  # its slot came from an idle block
+
+
 def test_unquantizable_tile_marks_whole_block_and_zeroes_packed_fields() -> None:
     """`_store_tiles` flags the block of a bad tile (any head, keys or values) and zeroes its packed fields; the
     other blocks are stored as the quantizer encodes them."""
