@@ -10,8 +10,8 @@ Keys of the "kvarn" mapping:
     sink         tokens kept exact at the start of every sequence (default: the preset's, 128); a multiple of G
     fp_slots     full-precision blocks per layer for sinks and blocks being filled, carved from the KV budget
                  (default: sized from the budget, `layout.choose_pool`: (sink/G + 2) * max_num_seqs, what the running
-                 sequences can need at once, if that takes at most half of the budget; else half of the budget, and
-                 max_num_seqs lowered to what it holds)
+                 sequences can need at once, if that takes at most half of each kvarn page; else half of it, and
+                 max_num_seqs lowered to what it holds, in the engine core too: `backend.KVarNAttentionSpec`)
 
 `additional_config` enters vLLM's config hash, so compiled graphs and caches never mix runs with and without kvarn.
 """
