@@ -65,6 +65,21 @@ NonFinite = Literal["exact", "error"]
 _NO_INDEX = torch.zeros(0, 3, dtype=torch.long)  # no tile kept exact (never written to)
 
 
+def fits_dtype(quantizer: TileQuantizer, packed: Tiles, flat: torch.Tensor, ok: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """[N] bool: `ok` and tile n of flat [N, G, D] (encoded as `packed`) decodes to finite values in `dtype` (module
+    docstring: the bound that selects which tiles to decode). Shared with the paged vLLM store."""
+    top = torch.finfo(dtype).max
+    if top >= torch.finfo(torch.float32).max:
+        return ok  # nothing can overflow
+    fits = ok.clone()
+    cand = (ok & (flat.abs().amax(dim=(1, 2)).float() > top / (2 * flat.shape[2]))).nonzero().squeeze(1)
+    if len(cand):
+        dec = quantizer.decode(packed.select(cand), torch.float32)
+        fits[cand] = torch.isfinite(dec.to(dtype)).flatten(1).all(dim=1)
+    return fits
+
+
 @dataclass
 class Bytes:
     """Bytes held, by region. `total` is what the cache really holds (reserved capacity included);
@@ -354,17 +369,7 @@ class TensorStore:
         return _Encoded(packed.unflatten((b, h, m)), torch.stack([bi, hi, ti], 1), tiles.flatten(0, 2)[idx], stats)
 
     def _fits_dtype(self, packed: Tiles, flat: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[N] bool: `ok` and the tile decodes to finite values in the store dtype (module docstring: the bound that
-        selects which tiles to decode)."""
-        top = torch.finfo(dtype).max
-        if top >= torch.finfo(torch.float32).max:
-            return ok  # nothing can overflow
-        fits = ok.clone()
-        cand = (ok & (flat.abs().amax(dim=(1, 2)).float() > top / (2 * flat.shape[2]))).nonzero().squeeze(1)
-        if len(cand):
-            dec = self.quantizer.decode(packed.select(cand), torch.float32)
-            fits[cand] = torch.isfinite(dec.to(dtype)).flatten(1).all(dim=1)
-        return fits
+        return fits_dtype(self.quantizer, packed, flat, ok, dtype)
 
     def _commit(self, enc: _Encoded) -> None:
         first = self.n_tiles

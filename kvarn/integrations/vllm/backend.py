@@ -5,15 +5,25 @@
     KVarNMetadataBuilder.build             once per step: fp slots for every request (`pool.SlotTable`)
     KVarNAttentionImpl.forward             per layer: store, then attend (`paged`)
 
-Refused at start-up, with a message: MLA (see `select`), sliding-window layers, attention sinks, ALiBi, encoder and
-cross attention, KV sharing across layers, fp8 KV dtypes, speculative decoding, KV connectors, context parallelism,
-a block size other than the preset's tile, and a KV budget that vLLM must guess (one has to be given).
+Sliding-window layers (Gemma 2/3-like hybrids) stay vLLM's: each keeps its FullAttentionSpec page in the model dtype
+and is served by vLLM's own CPU attention (`WindowImpl`, `KVarNMetadataBuilder.__new__` hands its group vLLM's
+builder); kvarn packs the full-attention layers. vLLM's hybrid KV cache manager must be off for such models
+(`disable_hybrid_kv_cache_manager=True`): it would share page tensors between the two kinds of layers, and the
+fp pool lives in the kvarn pages' bytes of every block.
+
+Concurrency: `KVarNAttentionSpec` carries the sequences the fp pool holds to the engine core, which builds the
+scheduler (the spec's `max_memory_usage_bytes` is the one kvarn hook that runs there before it; `cap_max_num_seqs`).
+
+Refused at start-up, with a message: MLA (see `select`), attention sinks, ALiBi, encoder and cross attention, KV
+sharing across layers, fp8 KV dtypes, speculative decoding, KV connectors, context parallelism, a block size other
+than the preset's tile, a KV budget that vLLM must guess (one has to be given), and sliding-window layers with the
+hybrid KV cache manager on.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -27,12 +37,20 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout
 
 from kvarn.integrations.vllm.config import Settings, check_engine, settings_of
-from kvarn.integrations.vllm.layout import PageGeometry, TileLayout, choose_geometry
+from kvarn.integrations.vllm.layout import (
+    FP_SHARE_MAX,
+    PageGeometry,
+    TileLayout,
+    choose_geometry,
+    choose_pool,
+    num_blocks_in,
+)
 from kvarn.integrations.vllm.paged import attend_step, write_step
-from kvarn.integrations.vllm.pool import LayerPool, SlotTable, StepPlan
+from kvarn.integrations.vllm.pool import LayerPool, SlotTable, StepPlan, seq_fp_slots
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
 
@@ -40,6 +58,7 @@ log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers 
 # The config this worker process builds its model with, seen while the model's layers are made (vLLM sets it as
 # "current" then) and kept for later hooks that run outside that context (customize_spec).
 _CONFIG: list[Any] = []
+_LOGGED: set[str] = set()
 
 
 def _remember_config() -> None:
@@ -66,7 +85,7 @@ def _settings(vllm_config: Any = None) -> Settings:
 
 
 def default_fp_slots(settings: Settings, max_num_seqs: int) -> int:
-    return settings.fp_slots or (settings.sink_blocks + 2) * max_num_seqs
+    return settings.fp_slots or seq_fp_slots(settings.sink_blocks) * max_num_seqs
 
 
 class KVarNAttentionBackend(AttentionBackend):
@@ -93,7 +112,7 @@ class KVarNAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        return False
+        return True  # served by vLLM's own CPU attention (module docstring)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -101,29 +120,88 @@ class KVarNAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """One block = one tile: per head, G token slots of C bytes (packed tile + fp pool share), dtype uint8."""
+        """One block = one tile: per head, G token slots of C bytes (packed tile + fp pool share), dtype uint8, as a
+        `KVarNAttentionSpec`; a sliding-window layer's spec is vLLM's own."""
         cfg = _config()
         s = _settings(cfg)
+        if getattr(spec, "sliding_window", None) is not None:
+            packed = any(a.sliding_window is None for a in get_layers_from_vllm_config(cfg, Attention).values())
+            if packed and not cfg.scheduler_config.disable_hybrid_kv_cache_manager:
+                raise ValueError("kvarn: this model has sliding-window layers; pass "
+                                 "disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager): vLLM's "
+                                 "hybrid KV cache manager would share page tensors between them and the kvarn layers, "
+                                 "whose pages hold kvarn's full-precision pool")
+            return spec
         if spec.block_size != s.tile:
             raise ValueError(f"kvarn: vLLM block size {spec.block_size} differs from the preset's tile {s.tile}; pass "
                              f"block_size={s.tile}")
-        geo = page_geometry(cfg, s, spec.num_kv_heads, spec.head_size)
-        return replace(spec, dtype=torch.uint8, state_content_bytes=geo.c)
+        geo, seqs = page_geometry(cfg, s, spec.num_kv_heads, spec.head_size)
+        base = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
+        return KVarNAttentionSpec(**{**base, "dtype": torch.uint8, "state_content_bytes": geo.c,
+                                     "kvarn_max_num_seqs": seqs})
 
 
-def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> PageGeometry:
+@dataclass(frozen=True, kw_only=True)
+class KVarNAttentionSpec(FullAttentionSpec):
+    """A kvarn layer's spec (vLLM groups and manages it as full attention): the page of `customize_spec` and the
+    sequences its fp pool holds. The engine core builds its scheduler from its own copy of the config right after it
+    has sized the KV cache from these specs, calling `max_memory_usage_bytes` on each: the one point at which kvarn
+    code runs there before, so that is where the scheduler's max_num_seqs is capped (`cap_max_num_seqs`)."""
+
+    kvarn_max_num_seqs: int | None = None
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        if self.kvarn_max_num_seqs is not None:
+            cap_max_num_seqs(vllm_config, self.kvarn_max_num_seqs)
+        return super().max_memory_usage_bytes(vllm_config)
+
+
+def cap_max_num_seqs(cfg: Any, seqs: int) -> None:
+    """Lower the config's max_num_seqs to what the fp pool holds, with one warning (a no-op at or below it)."""
+    sched = cfg.scheduler_config
+    if sched.max_num_seqs > seqs:
+        log.warning("kvarn: the full-precision pool (at most %d%% of each kvarn page) holds the sink and filling "
+                    "blocks of %d sequences: max_num_seqs lowered from %d to %d", round(FP_SHARE_MAX * 100), seqs,
+                    sched.max_num_seqs, seqs)
+        sched.max_num_seqs = seqs
+
+
+def window_page_bytes(cfg: Any, tile: int) -> int:
+    """What one block costs in the sliding-window layers (vLLM's own pages, K and V in the model dtype)."""
+    itemsize = cfg.model_config.dtype.itemsize
+    return sum(2 * tile * a.num_kv_heads * a.head_size * itemsize
+               for a in get_layers_from_vllm_config(cfg, Attention).values() if a.sliding_window is not None)
+
+
+def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> tuple[PageGeometry, int]:
+    """The kvarn page and the sequences its fp pool holds (`layout.choose_pool`; max_num_seqs with fp_slots set)."""
     budget = cfg.cache_config.kv_cache_memory_bytes
     if budget is None:
         raise ValueError("kvarn: give vLLM an explicit KV cache budget (VLLM_CPU_KVCACHE_SPACE in GiB, or "
                          "kv_cache_memory_bytes): the full-precision pool is carved from it")
-    layers = len(get_layers_from_vllm_config(cfg, Attention)) or cfg.model_config.get_num_layers(cfg.parallel_config)
+    attn = get_layers_from_vllm_config(cfg, Attention)
+    layers = sum(a.sliding_window is None for a in attn.values()) or cfg.model_config.get_num_layers(
+        cfg.parallel_config)
+    other = window_page_bytes(cfg, s.tile)
     lay = TileLayout(s.preset, head_dim, cfg.model_config.dtype)
-    slots = default_fp_slots(s, cfg.scheduler_config.max_num_seqs)
-    geo = choose_geometry(lay, num_kv_heads, layers, budget, slots)
-    log.info("kvarn: preset %s, %d bytes per head per block (%d packed + %d fp pool share, %d blocks per fp slot); "
-             "%.2fx the tokens of a bf16 cache per byte", s.preset.name, geo.layout.tile * geo.c, lay.packed_bytes,
-             lay.tile * geo.e, geo.blocks_per_slot, geo.tokens_ratio_vs_bf16())
-    return geo
+    sched = cfg.scheduler_config
+    if s.fp_slots:  # asked for: exactly that pool, or a refusal
+        geo, seqs = choose_geometry(lay, num_kv_heads, layers, budget, s.fp_slots, other), sched.max_num_seqs
+    else:
+        geo, seqs = choose_pool(lay, num_kv_heads, layers, budget, sched.max_num_seqs,
+                                lambda n: default_fp_slots(s, n), other)
+        cap_max_num_seqs(cfg, seqs)  # this process's copy (the slot table's check); the engine core's: the spec
+    seq = seq_fp_slots(s.sink_blocks)
+    msg = (f"kvarn: preset {s.preset.name}, {geo.layout.tile * geo.c} bytes per head per block ({lay.packed_bytes} "
+           f"packed + {lay.tile * geo.e} fp pool share, {geo.blocks_per_slot} blocks per fp slot); "
+           f"{geo.tokens_ratio_vs_bf16():.2f}x the tokens of a bf16 cache per byte; a running sequence holds {seq} fp "
+           f"blocks per layer ({seq * lay.fp_bytes * num_kv_heads * layers / 2**20:.2f} MiB over {layers} layers), "
+           f"the pool {geo.fp_slots(num_blocks_in(geo, layers, budget, other))} per layer"
+           + (f"; {len(attn) - layers} sliding-window layers kept by vLLM" if other else ""))
+    if msg not in _LOGGED:  # customize_spec runs once per layer
+        _LOGGED.add(msg)
+        log.info(msg)
+    return geo, seqs
 
 
 @dataclass
@@ -140,6 +218,13 @@ class KVarNMetadata:
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __new__(cls, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
+                device: torch.device) -> Any:
+        """A group of sliding-window layers gets vLLM's own CPU builder (their pages and attention are vLLM's)."""
+        if getattr(kv_cache_spec, "sliding_window", None) is not None:
+            return CPUAttentionMetadataBuilder(kv_cache_spec, layer_names, vllm_config, device)
+        return super().__new__(cls)
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
@@ -183,12 +268,35 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                              m.block_table_tensor, m.slot_mapping, plan)
 
 
+class WindowImpl(CPUAttentionBackendImpl):
+    """A sliding-window layer under the kvarn backend class: vLLM's own CPU attention over its own pages. The kvarn
+    class says its forward writes the cache (so vLLM does not call `do_kv_cache_update` itself): this one does, then
+    attends as vLLM would."""
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if attn_metadata is not None and key is not None and value is not None:
+            n = attn_metadata.num_actual_tokens
+            self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                               output_block_scale)
+
+
 class KVarNAttentionImpl(AttentionImpl):
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A sliding-window layer gets `WindowImpl` (vLLM's attention); every other layer the kvarn one."""
+        window = args[5] if len(args) > 5 else kwargs.get("sliding_window")
+        if window is not None:
+            return WindowImpl(*args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
-        refused = {"ALiBi": alibi_slopes is not None, "sliding-window attention": sliding_window is not None,
+        refused = {"ALiBi": alibi_slopes is not None,
                    f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
                    "KV sharing across layers": kv_sharing_target_layer_name is not None,
                    "attention sink logits": sinks is not None,
@@ -224,6 +332,7 @@ class KVarNAttentionImpl(AttentionImpl):
             return output
         n = attn_metadata.num_actual_tokens
         pool = self._layer_pool(kv_cache, query.dtype)
-        exact = write_step(pool, attn_metadata.plan, key[:n], value[:n], getattr(layer, "layer_name", "?"))
-        attend_step(pool, attn_metadata.plan, query[:n], output[:n], exact, self.scale, self.softcap)
+        name = getattr(layer, "layer_name", "?")
+        exact = write_step(pool, attn_metadata.plan, key[:n], value[:n], name)
+        attend_step(pool, attn_metadata.plan, query[:n], output[:n], exact, self.scale, self.softcap, name)
         return output

@@ -8,8 +8,10 @@ Keys of the "kvarn" mapping:
     preset       a kvarn preset of the affine family with a fixed rotation (kvarn, rtn, hadamard, varn; k2v2/k4v2/k4v4;
                  g128/g64): one vLLM block = one tile of G tokens
     sink         tokens kept exact at the start of every sequence (default: the preset's, 128); a multiple of G
-    fp_slots     full-precision blocks per layer for sinks and blocks being filled (default: 2 * max_num_seqs, what
-                 the running sequences can need at once); carved from the KV budget
+    fp_slots     full-precision blocks per layer for sinks and blocks being filled, carved from the KV budget
+                 (default: sized from the budget, `layout.choose_pool`: (sink/G + 2) * max_num_seqs, what the running
+                 sequences can need at once, if that takes at most half of each kvarn page; else half of it, and
+                 max_num_seqs lowered to what it holds, in the engine core too: `backend.KVarNAttentionSpec`)
 
 `additional_config` enters vLLM's config hash, so compiled graphs and caches never mix runs with and without kvarn.
 """
@@ -30,7 +32,7 @@ _KNOWN = {"preset", "sink", "fp_slots"}
 class Settings:
     preset: Preset
     sink: int  # tokens, a multiple of the tile
-    fp_slots: int | None  # None: 2 * max_num_seqs
+    fp_slots: int | None  # None: sized from the KV budget (`layout.choose_pool`)
 
     @property
     def tile(self) -> int:

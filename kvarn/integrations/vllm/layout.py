@@ -13,6 +13,7 @@ allocates, so vLLM's own capacity report counts it: a page costs G*C bytes per h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -110,17 +111,55 @@ class PageGeometry:
         return self.layout.bf16_page_per_head() / (self.layout.tile * self.c)
 
 
-def choose_geometry(layout: TileLayout, num_kv_heads: int, num_layers: int, budget: int, slots: int) -> PageGeometry:
+def choose_geometry(layout: TileLayout, num_kv_heads: int, num_layers: int, budget: int, slots: int,
+                    other_bytes: int = 0) -> PageGeometry:
     """The smallest fp share that still gives every layer `slots` fp blocks within `budget` bytes of KV cache.
 
-    vLLM then makes num_blocks = budget // (num_layers * page_bytes) blocks (kv_cache_utils); each layer's shares
-    form num_blocks // blocks_per_slot fp slots."""
+    vLLM then makes num_blocks = budget // (num_layers * page_bytes + other_bytes) blocks (kv_cache_utils; other_bytes:
+    what a block costs in the layers kvarn does not pack, e.g. sliding-window layers kept in the model dtype); each
+    layer's shares form num_blocks // blocks_per_slot fp slots."""
     for e in layout.share_choices():
         geo = PageGeometry(layout, num_kv_heads, e)
-        num_blocks = budget // (num_layers * geo.page_bytes)
+        num_blocks = num_blocks_in(geo, num_layers, budget, other_bytes)
         if geo.fp_slots(num_blocks) >= slots:
             return geo
     raise ValueError(f"kvarn: {slots} full-precision blocks per layer (sinks and blocks being filled of up to "
                      f"{slots // 2} sequences) do not fit in a KV cache of {budget / 2**30:.2f} GiB; lower "
                      "max_num_seqs, or raise the KV budget (VLLM_CPU_KVCACHE_SPACE / kv_cache_memory_bytes), or set "
                      "additional_config kvarn.fp_slots")
+
+
+FP_SHARE_MAX = 0.5  # the most of each page (so of the KV budget) the fp pool takes when it must lower concurrency
+
+
+def num_blocks_in(geo: PageGeometry, num_layers: int, budget: int, other_bytes: int = 0) -> int:
+    """vLLM's block count for a budget: every block costs a page in each of the num_layers kvarn layers plus
+    other_bytes in the others."""
+    return budget // (num_layers * geo.page_bytes + other_bytes)
+
+
+def choose_pool(layout: TileLayout, num_kv_heads: int, num_layers: int, budget: int, max_num_seqs: int,
+                slots_for: Callable[[int], int], other_bytes: int = 0) -> tuple[PageGeometry, int]:
+    """(geometry, sequences) for a pool sized from the KV budget. `slots_for(n)`: fp blocks per layer that n running
+    sequences need.
+
+    The smallest fp share that holds `slots_for(max_num_seqs)` blocks (`choose_geometry`), if it takes at most
+    FP_SHARE_MAX of a page; else the pool keeps to FP_SHARE_MAX, the sequences are lowered to the most whose blocks
+    its largest share within that holds, and the share is again the smallest that holds those (so a second call with
+    the lowered count returns the same geometry). ValueError if not even one sequence fits."""
+    within = [e for e in layout.share_choices() if e <= FP_SHARE_MAX * (layout.c0 + e)]
+    for e in within:
+        geo = PageGeometry(layout, num_kv_heads, e)
+        if geo.fp_slots(num_blocks_in(geo, num_layers, budget, other_bytes)) >= slots_for(max_num_seqs):
+            return geo, max_num_seqs
+    top = PageGeometry(layout, num_kv_heads, within[-1]) if within else None
+    have = top.fp_slots(num_blocks_in(top, num_layers, budget, other_bytes)) if top is not None else 0
+    seqs = max_num_seqs
+    while seqs > 0 and slots_for(seqs) > have:
+        seqs -= 1
+    if seqs == 0:
+        raise ValueError(f"kvarn: a KV cache of {budget / 2**30:.3f} GiB cannot hold the full-precision blocks of even "
+                         f"one sequence ({slots_for(1)} per layer: sink blocks and the blocks being filled) within "
+                         f"{FP_SHARE_MAX:.0%} of it; raise the KV budget (VLLM_CPU_KVCACHE_SPACE / "
+                         "kv_cache_memory_bytes) or lower the sink")
+    return choose_geometry(layout, num_kv_heads, num_layers, budget, slots_for(seqs), other_bytes), seqs

@@ -8,6 +8,12 @@ Lifetimes, as the backend sees vLLM's blocks through the block tables:
   * a block whose first token is written in this step holds new content: whatever slot it held is released first;
   * a filling block that completes is quantized in this step and its slot released at the start of the next one
     (this step's layers still read its exact rows);
+  * a completed block whose tile cannot be quantized in some layer (non-finite K/V, a scale or the reconstruction
+    overflowing) is kept exact in that layer: the layer writes its exact rows to the block's slot (its filling slot,
+    or one taken then, `take_exact`: a free slot, else the least recently used one of a block this step does not
+    read) and marks it (`exact`); the slot is then kept until vLLM reuses the block, never evicted, and the read
+    path restores the block from it in that layer (`paged`), as the transformers cache restores a tile kept exact.
+    The slot index is taken in every layer's pool; only the marking layers use it;
   * a sink block keeps its slot after its request ends, so a prefix-cache hit finds it exact;
   * the backend is not told when a request ends, so the slot of its last (partial) block stays held until vLLM
     reuses the block or the slot is needed: when none is free, the least recently used slot of a block that this
@@ -16,12 +22,13 @@ Lifetimes, as the backend sees vLLM's blocks through the block tables:
     running request whose filling block lost its slot (possible only if it went unscheduled for longer than the
     pool's slack) stops with an error naming the fix, never a wrong answer.
 Capacity: `fp_slots` >= (sink blocks + 2) * max_num_seqs keeps every running sequence's blocks (the +2: a block
-completing and the next one being filled within one step).
+completing and the next one being filled within one step): `SEQ_FP_BLOCKS`. Blocks kept exact come on top.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +44,7 @@ class RequestPlan:
     computed: int  # tokens already in the cache before this step
     length: int  # tokens in the cache after this step
     blocks: list[int]  # physical block id of each logical block 0 .. ceil(length / G) - 1
-    slots: list[int | None]  # fp slot of each logical block (None: read its packed form)
+    slots: list[int | None]  # fp slot of each logical block (None: none; blocks >= sink read packed unless exact)
 
 
 @dataclass
@@ -46,6 +53,20 @@ class StepPlan:
     tile: int
     sink_blocks: int
     lost_sinks: list[tuple[int, int]] = field(default_factory=list)  # (request index, logical block)
+    # block -> layers in which it is kept exact (the table's live dict: a layer's store marks blocks during the step)
+    exact: dict[int, set[str]] = field(default_factory=dict)
+    take_exact: Callable[[int], int] | None = None  # block -> its slot, taken if it has none (`SlotTable.take_exact`)
+
+    def exact_in(self, layer: str, block: int) -> bool:
+        return layer in self.exact.get(block, ())
+
+
+SEQ_FP_BLOCKS = 2  # fp blocks per running sequence besides its sink blocks: the block being filled, one completing
+
+
+def seq_fp_slots(sink_blocks: int) -> int:
+    """fp slots per layer that one running sequence can need in one step (module docstring)."""
+    return sink_blocks + SEQ_FP_BLOCKS
 
 
 class SlotTable:
@@ -55,12 +76,14 @@ class SlotTable:
         self.n_slots, self.tile, self.sink_blocks = n_slots, tile, sink_blocks
         self.slot_of: dict[int, int] = {}
         self.sink: set[int] = set()  # blocks whose slot is a sink (kept after their request)
+        self.exact: dict[int, set[str]] = {}  # blocks kept exact for good, by layer (non-finite or overflowing tiles)
         self.last_use: dict[int, int] = {}
         self.free = list(range(n_slots - 1, -1, -1))
         self.release_next: list[int] = []
         self.step = 0
         self.lost_sink_reads = 0  # prefix-cache hits on sink blocks whose exact copy was evicted
         self.evictions = 0
+        self._in_use: set[int] = set()  # blocks the current step reads or writes (not evictable during it)
         self._warned = False
 
     def _release(self, block: int) -> None:
@@ -68,11 +91,13 @@ class SlotTable:
         if s is not None:
             self.free.append(s)
         self.sink.discard(block)
+        self.exact.pop(block, None)
         self.last_use.pop(block, None)
 
     def _take(self, block: int, in_use: set[int]) -> int:
         if not self.free:
-            idle = [b for b in self.slot_of if b not in in_use]
+            idle = [b for b in self.slot_of if b not in in_use and b not in self.exact]  # an exact block has no
+            # other faithful copy: it keeps its slot until vLLM reuses the block
             if not idle:
                 raise RuntimeError(f"kvarn: all {self.n_slots} full-precision blocks are in use by running sequences; "
                                    "raise additional_config kvarn.fp_slots or lower max_num_seqs")
@@ -83,12 +108,18 @@ class SlotTable:
         self.slot_of[block] = s
         return s
 
+    def take_exact(self, block: int) -> int:
+        """The slot of a block that a layer keeps exact, during the step that completed it: its own, else a free one,
+        else that of the least recently used block this step does not read (`_take`)."""
+        s = self.slot_of.get(block)
+        return s if s is not None else self._take(block, self._in_use)
+
     def plan(self, rows: list[tuple[int, int]], computed: list[int], lengths: list[int],
              block_rows: list[list[int]]) -> StepPlan:
         """One step: assign slots for every request (lists indexed by request)."""
         self.step += 1
         for b in self.release_next:
-            if b not in self.sink:
+            if b not in self.sink and b not in self.exact:
                 self._release(b)
         self.release_next = []
         g, sb = self.tile, self.sink_blocks
@@ -98,6 +129,8 @@ class SlotTable:
             in_use.update(bt[:min(nc // g, sb)])
             if nc % g:
                 in_use.add(bt[nc // g])
+            if self.exact:  # blocks kept exact are read from their slot
+                in_use.update(b for b in bt[:nc // g] if b in self.exact)
         plans = []
         for i, (nc, n, bt) in enumerate(zip(computed, lengths, block_rows)):
             slots: list[int | None] = [None] * len(bt)
@@ -120,8 +153,14 @@ class SlotTable:
                     self.release_next.append(b)
                 slots[j] = self.slot_of.get(b)
                 self.last_use[b] = self.step
+            if self.exact:
+                for j in range(sb, nc // g):
+                    if bt[j] in self.exact:
+                        slots[j] = self.slot_of[bt[j]]
+                        self.last_use[bt[j]] = self.step
             plans.append(RequestPlan(rows[i], nc, n, bt, slots))
-        plan = StepPlan(plans, g, sb)
+        plan = StepPlan(plans, g, sb, exact=self.exact, take_exact=self.take_exact)
+        self._in_use = in_use
         for i, p in enumerate(plans):  # sink blocks read as past
             for j in range(min(p.computed // g, sb)):
                 b = p.blocks[j]

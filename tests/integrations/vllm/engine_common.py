@@ -71,6 +71,16 @@ def prompts() -> list[list[int]]:
     return [tok(t)["input_ids"][:n] for t, n in zip(texts, LENGTHS)]
 
 
+def save_tiny(model, folder: Path) -> str:
+    """Save a tiny random-weight model to an HF folder with SmolLM2's tokenizer; returns its path."""
+    import shutil
+
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model_dir()) / name, folder / name)
+    return str(folder)
+
+
 def llm_kwargs(extra: dict | None = None, **over) -> dict:
     kw = {"model": model_dir(), "dtype": "bfloat16", "max_model_len": 1024, "max_num_seqs": 8, "enforce_eager": True,
           "seed": 0, **over}

@@ -10,12 +10,11 @@ greedy tokens to be equal.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from .engine_common import PRESET, kvarn, model_dir, prompts, record, run_llm
+from .engine_common import PRESET, kvarn, model_dir, prompts, record, run_llm, save_tiny
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
 
@@ -33,10 +32,7 @@ def tiny_llama(folder: Path) -> str:
                       tie_word_embeddings=True, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
                       initializer_range=0.05)
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(model_dir()) / name, folder / name)
-    return str(folder)
+    return save_tiny(LlamaForCausalLM(cfg).to(torch.float32), folder)
 
 
 def _one_vs_two(name: str, path: str, ps: list[list[int]]) -> tuple[dict, dict, str]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvarn.integrations.vllm import paged
-from kvarn.integrations.vllm.layout import PageGeometry, TileLayout, choose_geometry
+from kvarn.integrations.vllm.layout import FP_SHARE_MAX, PageGeometry, TileLayout, choose_geometry, choose_pool
 from kvarn.integrations.vllm.paged import attend_step, write_step
 from kvarn.integrations.vllm.pool import LayerPool, SlotTable
 from kvarn.presets import affine_preset
@@ -56,6 +56,8 @@ class Engine:
         self.free = list(range(1, num_blocks))  # block 0 is vLLM's null block
         self.blocks: dict[str, list[int]] = {}
         self.hist: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # K, V, Q [T, H(q), D] so far
+        self.poison: dict[str, list[tuple[int, str, int, int, float]]] = {}  # rid -> (position, "k"/"v", head, ch, x)
+        self.exact: dict[str, set[int]] = {}  # rid -> logical blocks the oracle reads exact (poisoned ones)
 
     def add(self, rid: str, shared_from: tuple[str, int] | None = None) -> None:
         self.blocks[rid] = []
@@ -81,6 +83,10 @@ class Engine:
                 self.blocks[rid].append(self.free.pop(0))
             k, v = torch.randn(t, H, D, generator=gen), torch.randn(t, H, D, generator=gen)
             k[:, 0, 3] *= 8  # one heavy key channel, as real models have
+            for pos, kind, h, c, x in self.poison.get(rid, ()):
+                if nc <= pos < nc + t:
+                    (k if kind == "k" else v)[pos - nc, h, c] = x
+                    self.exact.setdefault(rid, set()).add(pos // G)
             q = torch.randn(t, HQ, D, generator=gen)
             self.hist[rid] = (torch.cat([k_old, k]), torch.cat([v_old, v]), torch.cat([q_old, q]))
             rows.append((at, at + t))
@@ -95,7 +101,7 @@ class Engine:
         key, value, query = torch.cat(keys), torch.cat(values), torch.cat(queries)
         out = torch.zeros_like(query)
         exact = write_step(self.pool, plan, key, value, "test")
-        attend_step(self.pool, plan, query, out, exact, D ** -0.5, None)
+        attend_step(self.pool, plan, query, out, exact, D ** -0.5, None, "test")
         return {rid: out[r0:r1] for rid, (r0, r1) in zip(work, rows)}
 
     def oracle(self, rid: str, first: int) -> torch.Tensor:
@@ -103,7 +109,7 @@ class Engine:
         k, v, q = (x.double() for x in self.hist[rid])
         t = k.shape[0]
         kd, vd = k.clone(), v.clone()
-        for j in range(self.sink_blocks, t // G):  # complete non-sink blocks as stored
+        for j in set(range(self.sink_blocks, t // G)) - self.exact.get(rid, set()):  # complete blocks as stored
             sl = slice(j * G, (j + 1) * G)
             for full, dq, quant in ((k, kd, self.lay.key_q), (v, vd, self.lay.value_q)):
                 dq[sl] = quant.decode(quant.encode(full[sl].transpose(0, 1).float())).double().transpose(0, 1)
@@ -123,7 +129,7 @@ def _check(eng: Engine, outs: dict[str, torch.Tensor]) -> None:
     for rid, o in outs.items():
         t = eng.hist[rid][0].shape[0]
         ref = eng.oracle(rid, t - o.shape[0])
-        torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-4, msg=f"request {rid}")
+        torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-4, equal_nan=True, msg=f"request {rid}")
 
 
 @pytest.mark.parametrize("sink_blocks", [0, 1, 2])
@@ -158,7 +164,7 @@ def test_outputs_do_not_depend_on_chunking(read_path) -> None:
             plan = eng.table.plan([(0, c)], [at], [at + c], [list(eng.blocks["r"])])
             o = torch.zeros(c, HQ, D)
             exact = write_step(eng.pool, plan, k[at:at + c], v[at:at + c], "t")
-            attend_step(eng.pool, plan, q[at:at + c], o, exact, D ** -0.5, None)
+            attend_step(eng.pool, plan, q[at:at + c], o, exact, D ** -0.5, None, "t")
             outs.append(o)
             at += c
         pages = eng.pool.packed[torch.tensor(eng.blocks["r"][1:3])].clone()  # the two packed (non-sink) blocks
@@ -232,6 +238,86 @@ def test_pool_exhaustion_evicts_idle_sink_then_reads_packed_copy(read_path) -> N
     _check(eng, out)
 
 
+def test_blocks_that_cannot_be_quantized_are_kept_exact(read_path) -> None:
+    """A completed block with a huge key (its fp16 scale overflows), an inf value or a NaN value among normal blocks:
+    kept exact in this layer's fp pool (not the engine stopped), read exact by later queries of the same step, of
+    later steps and of a prefix-cache hit, equal to the oracle that reads exactly those blocks exact (inf/NaN where
+    full-precision attention gives them); the mark and its slot go when the block is reused."""
+    gen = torch.Generator().manual_seed(13)
+    eng = Engine(sink_blocks=1)
+    eng.add("a")
+    eng.add("b")
+    eng.poison["a"] = [(G + 5, "k", 1, 0, 3e7), (2 * G + 9, "v", 0, 3, float("inf"))]  # blocks 1 and 2 of a
+    eng.poison["b"] = [(3 * G + 2, "v", 1, 5, float("nan"))]  # block 3 of b, filled over decode steps
+    # a's chunks start at its inf row (an earlier query of the same chunk would give 0 * inf = NaN for it when masking
+    # it, as full-precision attention by matmul does): block 1 completes in the first chunk and is read exact by
+    # block 2's queries of that chunk; block 2 in the second, read by block 3's
+    _check(eng, eng.step({"a": 2 * G + 9, "b": 3 * G}, gen))
+    _check(eng, eng.step({"a": G}, gen))
+    assert eng.exact == {"a": {1, 2}}
+    marked = {eng.blocks["a"][1], eng.blocks["a"][2]}
+    assert set(eng.table.exact) == marked and all(eng.table.exact[b] == {"test"} for b in marked)
+    for _ in range(G + 1):  # b fills block 3 token by token (the poisoned one early) and completes it
+        _check(eng, eng.step({"a": 1, "b": 1}, gen))
+    assert eng.exact["b"] == {3} and eng.blocks["b"][3] in eng.table.exact
+    slots = {b: eng.table.slot_of[b] for b in eng.table.exact}
+    eng.add("c", shared_from=("a", 3))  # a prefix-cache hit on a's blocks 0-2: reads 1 and 2 exact
+    eng.exact["c"] = {1, 2}
+    _check(eng, eng.step({"c": 7, "a": 1}, gen))
+    assert {b: eng.table.slot_of[b] for b in eng.table.exact} == slots  # kept for good, never moved
+    for rid in ("a", "b", "c"):
+        eng.finish(rid)
+    eng.add("d")
+    while not set(eng.blocks["d"]) & set(slots):  # vLLM hands the blocks out again: new content, mark dropped
+        _check(eng, eng.step({"d": G}, gen))
+    reused = set(eng.blocks["d"]) & set(slots)
+    assert not reused & set(eng.table.exact)
+
+
+@pytest.mark.parametrize("e_index", [4, 3])
+def test_block_kept_exact_in_a_full_pool_evicts_an_idle_slot(e_index: int, read_path) -> None:
+    """A block filled and completed within one chunk has no slot; when the pool has no free one, keeping it exact
+    evicts the least recently used slot of a block this step does not read (an idle sink), and is read exact. With 4
+    slots, all held by this request (sink, an exact block, one completing, one filling), there is none to take: a
+    RuntimeError naming fp_slots (what stops the engine, docs/VLLM.md), never a wrong answer."""
+    gen = torch.Generator().manual_seed(19)
+    eng = Engine(sink_blocks=1, num_blocks=64, e_index=e_index)  # 8 or 4 fp slots
+    for i in range(eng.pool.n_slots):  # finished requests' sinks fill the pool
+        eng.add(f"x{i}")
+        eng.step({f"x{i}": G}, gen)
+        eng.finish(f"x{i}")
+    assert not eng.table.free
+    eng.add("a")
+    eng.poison["a"] = [(G + 3, "v", 1, 0, float("inf"))]  # block 1 of a
+    _check(eng, eng.step({"a": G + 3}, gen))  # sink (evicts one) + block 1 partial: filling (evicts one)
+    _check(eng, eng.step({"a": 2 * G}, gen))  # block 1 completes, block 2 completes within the chunk, block 3 reads
+    assert eng.exact["a"] == {1} and eng.blocks["a"][1] in eng.table.exact
+    evictions = eng.table.evictions
+    eng.poison["a"] += [(4 * G + 5, "k", 0, 2, float("nan"))]  # block 4: filled and completed within the next chunk
+    if eng.pool.n_slots == 4:
+        with pytest.raises(RuntimeError, match="fp_slots"):
+            eng.step({"a": 2 * G}, gen)
+        return
+    _check(eng, eng.step({"a": 2 * G}, gen))  # [3G + 3, 5G + 3): block 3 completes, 4 fills and completes, 5 reads
+    assert eng.exact["a"] == {1, 4} and eng.blocks["a"][4] in eng.table.exact
+    assert eng.table.evictions > evictions  # its slot came from an idle block
+
+
+def test_unquantizable_tile_marks_whole_block_and_zeroes_packed_fields() -> None:
+    """`_store_tiles` flags the block of a bad tile (any head, keys or values) and zeroes its packed fields; the
+    other blocks are stored as the quantizer encodes them."""
+    gen = torch.Generator().manual_seed(17)
+    eng = Engine()
+    k, v = torch.randn(3, H, G, D, generator=gen), torch.randn(3, H, G, D, generator=gen)
+    v[1, 1, 4, 2] = float("nan")
+    bad = paged._store_tiles(eng.pool, k, v, [4, 7, 9])
+    assert bad.tolist() == [False, True, False]
+    assert not eng.pool.packed[7].any()
+    ref = eng.lay.key_q.encode(k[2])
+    for name, view in eng.pool.key_fields.items():
+        assert torch.equal(view[9], ref.tensors()[name])
+
+
 def test_capacity_geometry_smollm2_shapes() -> None:
     """vLLM's num_blocks = budget // (layers * page): the chosen share keeps the asked fp slots and the capacity
     targets of issue 11 for SmolLM2's geometry (3 KV heads, D = 64, 30 layers, bf16) in 1 GiB with 16 sequences."""
@@ -246,6 +332,34 @@ def test_capacity_geometry_smollm2_shapes() -> None:
         assert num_blocks * 128 / stock_tokens >= target, (name, num_blocks * 128 / stock_tokens)
     with pytest.raises(ValueError, match="lower max_num_seqs"):
         choose_geometry(lay, 3, 30, 2**30, slots=3 * 256)
+
+
+def test_pool_sized_from_the_budget_lowers_concurrency_instead_of_refusing() -> None:
+    """vLLM's CPU defaults (max_num_seqs 256 for LLM) with 1 GiB on SmolLM2's geometry: the pool keeps to at most half
+    of each page, holds the most sequences it can (fewer than 256) and is the smallest share that holds them; a
+    count that fits keeps the smallest share (today's rule, same as choose_geometry); a budget that cannot hold one
+    sequence is refused."""
+    from kvarn.presets import get_preset
+
+    for name in ("kvarn-k2v2-g128", "kvarn-k4v2-g128"):
+        lay = TileLayout(get_preset(name), 64, torch.bfloat16)
+
+        def need(n: int) -> int:
+            return 3 * n  # 1 sink block + 2 per sequence
+
+        def slots(g: PageGeometry) -> int:
+            return g.fp_slots(2**30 // (30 * g.page_bytes))
+
+        geo, seqs = choose_pool(lay, 3, 30, 2**30, 256, need)
+        assert 1 <= seqs < 256
+        assert geo.e <= FP_SHARE_MAX * geo.c and slots(geo) >= need(seqs)
+        capped = [e for e in lay.share_choices() if e <= FP_SHARE_MAX * (lay.c0 + e)][-1]
+        assert slots(PageGeometry(lay, 3, capped)) < need(seqs + 1)  # the most the capped share holds
+        assert choose_pool(lay, 3, 30, 2**30, seqs, need) == (geo, seqs)  # a second call agrees
+        small, n = choose_pool(lay, 3, 30, 2**30, 8, need)
+        assert n == 8 and small == choose_geometry(lay, 3, 30, 2**30, need(8))
+        with pytest.raises(ValueError, match="even one sequence"):
+            choose_pool(lay, 3, 30, 2**20, 256, need)
 
 
 def test_page_fields_round_trip_through_views() -> None:
