@@ -25,6 +25,8 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvarn.attention import fused
@@ -58,7 +60,18 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
     g, fp = lay.tile, lay.fp_dtype
     exact: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     done_k, done_v, done_blocks = [], [], []
+    batch = decode_batch(plan, pool)
+    if batch is not None:  # every decode row at once: its fresh K, V rows straight into their fp slots
+        pool.rows[batch.write_blk, :, batch.write_sub] = torch.stack(
+            [key[batch.token_rows], value[batch.token_rows]], 1).to(fp)  # [B, 2, H, D]
+        if batch.done_blocks:  # the blocks these tokens complete: their exact rows, now all in their slots
+            kv = pool.rows[batch.done_blk, :, batch.done_sub].to(key.dtype)  # [n, 2, G, H, D]
+            done_k.extend(kv[:, 0].transpose(1, 2).unbind(0))
+            done_v.extend(kv[:, 1].transpose(1, 2).unbind(0))
+            done_blocks.extend(batch.done_blocks)
     for i, p, j, rows, hi in _pieces(plan, g):
+        if batch is not None and i in batch.request_set:
+            continue
         nc = p.computed
         fk = key[rows].transpose(0, 1)  # [H, t, D]
         fv = value[rows].transpose(0, 1)
@@ -170,7 +183,13 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
                 softcap: float | None) -> None:
     """query [T, Hq, D] -> output [T, Hq, D], request by request and query block by query block."""
     g = pool.layout.tile
+    batch = decode_batch(plan, pool)
+    if batch is not None:
+        output[batch.token_rows] = batched_decode(pool, batch, query[batch.token_rows], scale,
+                                                  softcap).to(output.dtype)
     for i, p, j, rows, _ in _pieces(plan, g):
+        if batch is not None and i in batch.request_set:
+            continue
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, L, D]
         k, v = exact[(i, j)]
         out = fused_piece(pool, p, j, plan.sink_blocks, q, k[None], v[None], scale, softcap)
@@ -179,3 +198,108 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
             out = packed_attention(q, k[None], v[None], None if past is None else KVarNPast(*past), None, scale,
                                    softcap, kernel=False)  # [1, L, Hq, D]
         output[rows] = out[0]
+
+
+@dataclass
+class DecodeBatch:
+    """The decode rows of a step (requests with one new token, whose block has an fp slot) as the index tensors of
+    one kernel call, built once per step and pool geometry and shared by every layer (`decode_batch`).
+
+    Per row b the kernel reads packed tiles table[b, :n_blocks[b]] (logical blocks ns_b .. j-1, at positions 0 ..
+    of the bias) and one dense segment (at position max_tiles * G): the exact sink rows (ns_b leading sink blocks
+    with an fp slot, padded to sink_blocks * G) then the current block's rows 0 .. p (padded to the batch's
+    longest), read from `LayerPool.rows` at (dense_blk, dense_sub); bias masks the padding with -inf."""
+
+    requests: list[int]
+    request_set: frozenset[int]
+    token_rows: torch.Tensor  # [B] rows of the step's [T, ...] tensors
+    write_blk: torch.Tensor  # [B, 2] (K, V) where the fresh rows go in `LayerPool.rows`
+    write_sub: torch.Tensor
+    dense_blk: torch.Tensor  # [B, 2, t]
+    dense_sub: torch.Tensor
+    table: torch.Tensor  # [B, max_tiles] int32
+    n_blocks: torch.Tensor  # [B] int32
+    tiles_len: int  # max_tiles * G: the dense segment's position
+    bias: torch.Tensor  # [B, 1, 1, tiles_len + t] float32
+    done_blocks: list[int]  # blocks these tokens complete (stored in this step)
+    done_blk: torch.Tensor  # [n, 2, G]
+    done_sub: torch.Tensor
+
+
+def decode_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
+    """The step's `DecodeBatch` for this pool's geometry (cached on the plan), or None when the decode rows take the
+    per-request path: KVARN_KERNEL=torch or a kernel that cannot serve these quantizers (`fused.take`), fp shares
+    that do not hold whole rows, or no decode row."""
+    key = (pool.k, pool.rows_per_block)
+    if key in plan.batches:
+        return plan.batches[key]
+    batch = None
+    if fused.mode() != "torch" and pool.rows is not None:
+        lay = pool.layout
+        if fused.take(fused.unsupported_quantizers(lay.key_q, lay.value_q)):
+            batch = _build_batch(plan, pool)
+    plan.batches[key] = batch
+    return batch
+
+
+def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
+    g, sb = plan.tile, plan.sink_blocks
+    reqs, tok, cur_slot, cur_row, ns, sink_slots, tables, done, done_slots = [], [], [], [], [], [], [], [], []
+    for i, p in enumerate(plan.requests):
+        t0, t1 = p.rows
+        j = p.computed // g
+        if t1 - t0 != 1 or p.slots[j] is None:
+            continue
+        n = 0
+        while n < min(j, sb) and p.slots[n] is not None:  # exact sinks up to the first evicted one
+            n += 1
+        reqs.append(i)
+        tok.append(t0)
+        cur_slot.append(p.slots[j])
+        cur_row.append(p.computed % g)
+        ns.append(n * g)
+        sink_slots.append(p.slots[:n] + [p.slots[j]] * (sb - n))  # padding: any valid slot, masked
+        tables.append(p.blocks[n:j])
+        if p.length % g == 0:
+            done.append(p.blocks[j])
+            done_slots.append(p.slots[j])
+    if not reqs:
+        return None
+    b = len(reqs)
+    width = max(1, max(len(t) for t in tables))
+    table = torch.zeros(b, width, dtype=torch.int32)
+    for r, t in enumerate(tables):
+        table[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    n_blocks = torch.tensor([len(t) for t in tables], dtype=torch.int32)
+    cur_slot_t, cur_row_t = torch.tensor(cur_slot), torch.tensor(cur_row)
+    cur = int(cur_row_t.max()) + 1
+    kinds = torch.tensor([0, 1]).view(1, 2, 1)
+    # dense rows: sink_blocks * G sink rows, then cur rows of the current block
+    r = torch.arange(sb * g)
+    slots = torch.cat([torch.tensor(sink_slots, dtype=torch.long).view(b, sb)[:, r // g] if sb else
+                       torch.zeros(b, 0, dtype=torch.long), cur_slot_t[:, None].expand(b, cur)], 1)
+    rows = torch.cat([r % g, torch.arange(cur)]).expand(b, -1)
+    valid = torch.cat([r[None] < torch.tensor(ns)[:, None], torch.arange(cur)[None] <= cur_row_t[:, None]], 1)
+    dense_blk, dense_sub = pool.slot_rows(slots[:, None], kinds, rows[:, None])
+    write_blk, write_sub = pool.slot_rows(cur_slot_t[:, None], kinds[..., 0], cur_row_t[:, None])
+    tiles_len = width * g
+    bias = torch.zeros(b, 1, 1, tiles_len + valid.shape[1])
+    bias[:, 0, 0, tiles_len:] = torch.where(valid, 0.0, float("-inf"))
+    if done_slots:
+        done_blk, done_sub = pool.slot_rows(torch.tensor(done_slots).view(-1, 1, 1), kinds, torch.arange(g))
+    else:
+        done_blk = done_sub = torch.zeros(0, 2, g, dtype=torch.long)
+    return DecodeBatch(reqs, frozenset(reqs), torch.tensor(tok), write_blk, write_sub, dense_blk, dense_sub, table,
+                       n_blocks, tiles_len, bias, done, done_blk, done_sub)
+
+
+def batched_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, scale: float,
+                   softcap: float | None) -> torch.Tensor:
+    """One kernel call for every decode row of the step: q [B, Hq, D] -> float32 [B, Hq, D]."""
+    kv = pool.rows[batch.dense_blk, :, batch.dense_sub]  # [B, 2, t, H, D]: sinks and current blocks, one gather
+    k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # [B, H, t, D], unit stride on D
+    out = kernel.decode_attention(q[:, :, None], kernel.PackedTiles.pool(pool.key_fields),
+                                  kernel.PackedTiles.pool(pool.value_fields), batch.table, batch.n_blocks,
+                                  pool.layout.tile, scaling=scale, dense=[(k, v, batch.tiles_len)], tiles_pos=0,
+                                  bias=batch.bias, softcap=softcap)
+    return out[:, :, 0]
