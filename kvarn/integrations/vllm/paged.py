@@ -7,15 +7,19 @@ preemptions that led to it, so a prefill equals a token-by-token decode):
     block j, tokens <= p   exact (the fp slot's earlier rows and this step's fresh rows)
 
 This is what kvarn's transformers cache gives a sequence fed one token at a time. Per layer and step:
-  1. write: for every block touched by a request's new tokens, assemble its exact rows; blocks that complete are
-     quantized together (one `encode` for all of them, the quantizer of the transformers cache) into their pages;
-     sink blocks and incomplete blocks also (re)write their fp slot;
-  2. read: per request and per query block j, one softmax over blocks < j and block j's exact rows, by one of
-     - the fused C++ kernel (through `kvarn.attention.launch`), for decode-like pieces (<= `fused.MAX_QUERIES` queries
-       per head: decode tokens, and the short last piece of a chunk) with at least one packed block: it reads the
-       pool's zero-copy field views (`LayerPool.key_fields` / `value_fields`, [num_blocks, H, ...], stride_batch 0,
-       `PackedTiles.pool`) through this request's row of the block table; sink blocks and block j's rows are its
-       dense segments. One call per request and block (rows differ in sink and exact lengths);
+  1. write: decode rows (one new token in a block with an fp slot: `DecodeBatch`) scatter their fresh rows into
+     their slots at once; for every other block touched by a request's new tokens, assemble its exact rows; blocks
+     that complete are quantized together (one `encode` for all of them, the quantizer of the transformers cache)
+     into their pages, before any read; sink blocks and incomplete blocks also (re)write their fp slot;
+  2. read: per query, one softmax over blocks < j and block j's exact rows, by one of
+     - for all decode rows of the step, ONE call of the fused C++ kernel (`batched_decode`, through
+       `kvarn.attention.launch`): batch rows = requests, each with its block-table row and tile count, the packed
+       fields read in place from the pool's zero-copy views (`LayerPool.key_fields` / `value_fields`,
+       [num_blocks, H, ...], stride_batch 0, `PackedTiles.pool`); the sink and current-block rows gathered from the
+       fp slots by one indexed read as one dense segment per row, padding masked;
+     - the fused kernel per request and query block for other decode-like pieces (<= `fused.MAX_QUERIES` queries
+       per head: the short last piece of a chunk) with at least one packed block: sink blocks and block j's rows are
+       its dense segments;
      - else `kvarn.attention.packed.packed_attention` (PyTorch: prefill pieces under every KVARN_KERNEL, since the
        kernel is a decode kernel and the matmul path is faster there; every piece when KVARN_KERNEL=torch) over a
        `StoredKV` view whose packed fields are gathered through the block table.
