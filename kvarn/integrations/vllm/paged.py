@@ -8,18 +8,23 @@ preemptions that led to it, so a prefill equals a token-by-token decode):
     block j, tokens <= p   exact (the fp slot's earlier rows and this step's fresh rows)
 
 This is what kvarn's transformers cache gives a sequence fed one token at a time. Per layer and step:
-  1. write: for every block touched by a request's new tokens, assemble its exact rows; blocks that complete are
-     quantized together (one `encode_tiles` for all of them, the quantizer of the transformers cache) into their
-     pages; a block with a tile that cannot be quantized (non-finite K/V, a scale or the reconstruction overflowing:
-     the transformers cache's test, `kvarn.cache.store.fits_dtype`) has its packed fields zeroed and its exact rows
-     written to an fp slot (`SlotTable.take_exact`), and is marked exact in this layer; sink blocks and incomplete
-     blocks also (re)write their fp slot;
-  2. read: per request and per query block j, one softmax over blocks < j and block j's exact rows, by one of
-     - the fused C++ kernel (through `kvarn.attention.launch`), for decode-like pieces (<= `fused.MAX_QUERIES` queries
-       per head: decode tokens, and the short last piece of a chunk) with at least one packed block: it reads the
-       pool's zero-copy field views (`LayerPool.key_fields` / `value_fields`, [num_blocks, H, ...], stride_batch 0,
-       `PackedTiles.pool`) through this request's row of the block table; sink blocks and block j's rows are its
-       dense segments. One call per request and block (rows differ in sink and exact lengths);
+  1. write: decode rows (one new token in a block with an fp slot: `DecodeBatch`) scatter their fresh rows into
+     their slots at once; for every other block touched by a request's new tokens, assemble its exact rows; blocks
+     that complete are quantized together (one `encode_tiles` for all of them, the quantizer of the transformers
+     cache) into their pages, before any read; a block with a tile that cannot be quantized (non-finite K/V, a scale
+     or the reconstruction overflowing: the transformers cache's test, `kvarn.cache.store.fits_dtype`) has its
+     packed fields zeroed and its exact rows written to an fp slot (`SlotTable.take_exact`), and is marked exact in
+     this layer; sink blocks and incomplete blocks also (re)write their fp slot;
+  2. read: per query, one softmax over blocks < j and block j's exact rows, by one of
+     - for all decode rows of the step, ONE call of the fused C++ kernel (`batched_decode`, through
+       `kvarn.attention.launch`): batch rows = requests, each with its block-table row and tile count, the packed
+       fields read in place from the pool's zero-copy views (`LayerPool.key_fields` / `value_fields`,
+       [num_blocks, H, ...], stride_batch 0, `PackedTiles.pool`); the sink and current-block rows gathered from the
+       fp slots by one indexed read as one dense segment per row, padding masked. A layer holding a block kept
+       exact (rare) serves its decode rows by the per-request paths below instead;
+     - the fused kernel per request and query block for other decode-like pieces (<= `fused.MAX_QUERIES` queries
+       per head: the short last piece of a chunk) with at least one packed block: sink blocks, blocks kept exact and
+       block j's rows are its dense segments;
      - else `kvarn.attention.packed.packed_attention` (PyTorch: prefill pieces under every KVARN_KERNEL, since the
        kernel is a decode kernel and the matmul path is faster there; every piece when KVARN_KERNEL=torch) over a
        `StoredKV` view whose packed fields are gathered through the block table.
@@ -30,6 +35,7 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -66,7 +72,19 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
     g, fp = lay.tile, lay.fp_dtype
     exact: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     done_k, done_v, done_blocks, done_where = [], [], [], []
+    batch = decode_batch(plan, pool)
+    if batch is not None:  # every decode row at once: its fresh K, V rows straight into their fp slots
+        pool.rows[batch.write_blk, :, batch.write_sub] = torch.stack(
+            [key[batch.token_rows], value[batch.token_rows]], 1).to(fp)  # [B, 2, H, D]
+        if batch.done_blocks:  # the blocks these tokens complete: their exact rows, now all in their slots
+            kv = pool.rows[batch.done_blk, :, batch.done_sub].to(key.dtype)  # [n, 2, G, H, D]
+            done_k.extend(kv[:, 0].transpose(1, 2).unbind(0))
+            done_v.extend(kv[:, 1].transpose(1, 2).unbind(0))
+            done_blocks.extend(batch.done_blocks)
+            done_where.extend(batch.done_where)
     for i, p, j, rows, hi in _pieces(plan, g):
+        if batch is not None and i in batch.request_set:
+            continue
         nc = p.computed
         fk = key[rows].transpose(0, 1)  # [H, t, D]
         fv = value[rows].transpose(0, 1)
@@ -223,10 +241,20 @@ def fused_piece(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, q: to
 def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: torch.Tensor,
                 exact: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], scale: float,
                 softcap: float | None, layer: str) -> None:
-    """query [T, Hq, D] -> output [T, Hq, D], request by request and query block by query block; `layer` as given to
-    `write_step` (blocks kept exact are marked per layer)."""
+    """query [T, Hq, D] -> output [T, Hq, D]: the step's decode rows in one batched call, the other pieces request by
+    request and query block by query block; `layer` as given to `write_step` (blocks kept exact are marked per
+    layer)."""
     g = pool.layout.tile
+    batch = decode_batch(plan, pool)
+    batched = batch is not None and not any(layer in marked for marked in plan.exact.values())
+    if batched:
+        output[batch.token_rows] = batched_decode(pool, batch, query[batch.token_rows], scale,
+                                                  softcap).to(output.dtype)
     for i, p, j, rows, _ in _pieces(plan, g):
+        if batch is not None and i in batch.request_set:
+            if batched:
+                continue
+            exact[(i, j)] = _slot_rows(pool, p, j, query.dtype)  # write_step put them in the slot only
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, L, D]
         k, v = exact[(i, j)]
         out = fused_piece(pool, p, j, plan.sink_blocks, q, k[None], v[None], scale, softcap, plan, layer)
@@ -235,3 +263,116 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
             out = packed_attention(q, k[None], v[None], None if past is None else KVarNPast(*past), None, scale,
                                    softcap, kernel=False)  # [1, L, Hq, D]
         output[rows] = out[0]
+
+
+def _slot_rows(pool: LayerPool, p: RequestPlan, j: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block j's exact rows so far (K, V [H, t, D]), read from its fp slot."""
+    kv = pool.read_slot(p.slots[j])[:, :, :p.length - j * pool.layout.tile].to(dtype)  # [H, 2, t, D]
+    return kv[:, 0], kv[:, 1]
+
+
+@dataclass
+class DecodeBatch:
+    """The decode rows of a step (requests with one new token, whose block has an fp slot) as the index tensors of
+    one kernel call, built once per step and pool geometry and shared by every layer (`decode_batch`).
+
+    Per row b the kernel reads packed tiles table[b, :n_blocks[b]] (logical blocks ns_b .. j-1, at positions 0 ..
+    of the bias) and one dense segment (at position max_tiles * G): the exact sink rows (ns_b leading sink blocks
+    with an fp slot, padded to sink_blocks * G) then the current block's rows 0 .. p (padded to the batch's
+    longest), read from `LayerPool.rows` at (dense_blk, dense_sub); bias masks the padding with -inf."""
+
+    requests: list[int]
+    request_set: frozenset[int]
+    token_rows: torch.Tensor  # [B] rows of the step's [T, ...] tensors
+    write_blk: torch.Tensor  # [B, 2] (K, V) where the fresh rows go in `LayerPool.rows`
+    write_sub: torch.Tensor
+    dense_blk: torch.Tensor  # [B, 2, t]
+    dense_sub: torch.Tensor
+    table: torch.Tensor  # [B, max_tiles] int32
+    n_blocks: torch.Tensor  # [B] int32
+    tiles_len: int  # max_tiles * G: the dense segment's position
+    bias: torch.Tensor  # [B, 1, 1, tiles_len + t] float32
+    done_blocks: list[int]  # blocks these tokens complete (stored in this step)
+    done_where: list[tuple[RequestPlan, int]]  # (request, logical block) of each
+    done_blk: torch.Tensor  # [n, 2, G]
+    done_sub: torch.Tensor
+
+
+def decode_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
+    """The step's `DecodeBatch` for this pool's geometry (cached on the plan), or None when the decode rows take the
+    per-request path: KVARN_KERNEL=torch or a kernel that cannot serve these quantizers (`fused.take`), fp shares
+    that do not hold whole rows, or no decode row."""
+    key = (pool.k, pool.rows_per_block)
+    if key in plan.batches:
+        return plan.batches[key]
+    batch = None
+    if fused.mode() != "torch" and pool.rows is not None:
+        lay = pool.layout
+        if fused.take(fused.unsupported_quantizers(lay.key_q, lay.value_q)):
+            batch = _build_batch(plan, pool)
+    plan.batches[key] = batch
+    return batch
+
+
+def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
+    g, sb = plan.tile, plan.sink_blocks
+    reqs, tok, cur_slot, cur_row, ns, sink_slots, tables, done, done_where, done_slots = ([] for _ in range(10))
+    for i, p in enumerate(plan.requests):
+        t0, t1 = p.rows
+        j = p.computed // g
+        if t1 - t0 != 1 or p.slots[j] is None:
+            continue
+        n = 0
+        while n < min(j, sb) and p.slots[n] is not None:  # exact sinks up to the first evicted one
+            n += 1
+        reqs.append(i)
+        tok.append(t0)
+        cur_slot.append(p.slots[j])
+        cur_row.append(p.computed % g)
+        ns.append(n * g)
+        sink_slots.append(p.slots[:n] + [p.slots[j]] * (sb - n))  # padding: any valid slot, masked
+        tables.append(p.blocks[n:j])
+        if p.length % g == 0:
+            done.append(p.blocks[j])
+            done_where.append((p, j))
+            done_slots.append(p.slots[j])
+    if not reqs:
+        return None
+    b = len(reqs)
+    width = max(1, max(len(t) for t in tables))
+    table = torch.zeros(b, width, dtype=torch.int32)
+    for r, t in enumerate(tables):
+        table[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    n_blocks = torch.tensor([len(t) for t in tables], dtype=torch.int32)
+    cur_slot_t, cur_row_t = torch.tensor(cur_slot), torch.tensor(cur_row)
+    cur = int(cur_row_t.max()) + 1
+    kinds = torch.tensor([0, 1]).view(1, 2, 1)
+    # dense rows: sink_blocks * G sink rows, then cur rows of the current block
+    r = torch.arange(sb * g)
+    slots = torch.cat([torch.tensor(sink_slots, dtype=torch.long).view(b, sb)[:, r // g] if sb else
+                       torch.zeros(b, 0, dtype=torch.long), cur_slot_t[:, None].expand(b, cur)], 1)
+    rows = torch.cat([r % g, torch.arange(cur)]).expand(b, -1)
+    valid = torch.cat([r[None] < torch.tensor(ns)[:, None], torch.arange(cur)[None] <= cur_row_t[:, None]], 1)
+    dense_blk, dense_sub = pool.slot_rows(slots[:, None], kinds, rows[:, None])
+    write_blk, write_sub = pool.slot_rows(cur_slot_t[:, None], kinds[..., 0], cur_row_t[:, None])
+    tiles_len = width * g
+    bias = torch.zeros(b, 1, 1, tiles_len + valid.shape[1])
+    bias[:, 0, 0, tiles_len:] = torch.where(valid, 0.0, float("-inf"))
+    if done_slots:
+        done_blk, done_sub = pool.slot_rows(torch.tensor(done_slots).view(-1, 1, 1), kinds, torch.arange(g))
+    else:
+        done_blk = done_sub = torch.zeros(0, 2, g, dtype=torch.long)
+    return DecodeBatch(reqs, frozenset(reqs), torch.tensor(tok), write_blk, write_sub, dense_blk, dense_sub, table,
+                       n_blocks, tiles_len, bias, done, done_where, done_blk, done_sub)
+
+
+def batched_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, scale: float,
+                   softcap: float | None) -> torch.Tensor:
+    """One kernel call for every decode row of the step: q [B, Hq, D] -> float32 [B, Hq, D]."""
+    kv = pool.rows[batch.dense_blk, :, batch.dense_sub]  # [B, 2, t, H, D]: sinks and current blocks, one gather
+    k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # [B, H, t, D], unit stride on D
+    out = kernel.decode_attention(q[:, :, None], kernel.PackedTiles.pool(pool.key_fields),
+                                  kernel.PackedTiles.pool(pool.value_fields), batch.table, batch.n_blocks,
+                                  pool.layout.tile, scaling=scale, dense=[(k, v, batch.tiles_len)], tiles_pos=0,
+                                  bias=batch.bias, softcap=softcap)
+    return out[:, :, 0]

@@ -56,6 +56,7 @@ class StepPlan:
     # block -> layers in which it is kept exact (the table's live dict: a layer's store marks blocks during the step)
     exact: dict[int, set[str]] = field(default_factory=dict)
     take_exact: Callable[[int], int] | None = None  # block -> its slot, taken if it has none (`SlotTable.take_exact`)
+    batches: dict = field(default_factory=dict)  # pool geometry -> paged.DecodeBatch | None, built by the first layer
 
     def exact_in(self, layer: str, block: int) -> bool:
         return layer in self.exact.get(block, ())
@@ -196,6 +197,22 @@ class LayerPool:
         self.n_slots = nb // self.k
         self.share = self.runs[:, :, split:split + lay.tile * geo.e]  # [num_blocks, H, G*e]
         self.key_fields, self.value_fields = lay.views(self.runs)  # name -> [num_blocks, H, *shape], zero copy
+        # The fp rows of the shares as one strided view [num_blocks, H, rows_per_block, D] in the fp dtype, when a
+        # share holds whole rows (G*e a multiple of D*itemsize; always so for G = 128): row r of kind c (0 K, 1 V)
+        # of slot s, head h, is rows[s*k + (c*G + r) // rpb, h, (c*G + r) % rpb] (`slot_rows`). None: read slots
+        # whole (`read_slot`).
+        row_bytes = lay.head_dim * lay.fp_dtype.itemsize
+        share_bytes = lay.tile * geo.e
+        self.rows_per_block = share_bytes // row_bytes if share_bytes % row_bytes == 0 else 0
+        self.rows = (self.share.view(lay.fp_dtype).unflatten(-1, (self.rows_per_block, lay.head_dim))
+                     if self.rows_per_block else None)
+
+    def slot_rows(self, slots: torch.Tensor, kind: int | torch.Tensor,
+                  row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, row-in-block) indices into `rows` of row `row` of kind `kind` (0 K, 1 V) of fp slots `slots`
+        (broadcast together): `rows[block, :, sub]` is that row for every head, [..., H, D]."""
+        flat = kind * self.layout.tile + row
+        return slots * self.k + flat // self.rows_per_block, flat % self.rows_per_block
 
     def read_slot(self, s: int) -> torch.Tensor:
         """[H, 2, G, D] (K, V) of fp slot s, a copy in the fp dtype."""

@@ -1,0 +1,70 @@
+"""CPU time of one layer of the vLLM backend's decode step, without vLLM: `write_step` + `attend_step` for 8 decode
+rows of SmolLM2-135M's geometry (3 KV heads, 9 query heads, D = 64, bf16, G = 128, one sink block, contexts of about
+515 to 565 tokens) over a page pool of real packed tiles.
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile]
+
+Prints the CPU time (`time.process_time`, so a shared machine's load does not enter; 1 thread) per layer of each
+call and x 30 layers; --profile adds cProfile's top lines (wall time) of 10 layer-steps. Used for docs/VLLM.md.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+from kvarn.integrations.vllm import paged
+from kvarn.integrations.vllm.layout import TileLayout, choose_geometry
+from kvarn.integrations.vllm.pool import LayerPool, SlotTable
+from kvarn.presets import get_preset
+
+H, HQ, D, G, R, LAYERS = 3, 9, 64, 128, 8, 30
+
+
+def main() -> None:
+    preset = next((a for a in sys.argv[1:] if not a.startswith("--")), "kvarn-k2v2-g128")
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    lay = TileLayout(get_preset(preset), D, torch.bfloat16)
+    geo = choose_geometry(lay, H, LAYERS, 2**30, slots=3 * 16)
+    pool = LayerPool(torch.zeros(2000, H, G, geo.c, dtype=torch.uint8), geo)
+    table = SlotTable(pool.n_slots, G, 1)
+    blocks = [list(range(1 + 6 * r, 7 + 6 * r)) for r in range(R)]
+    lens = [512 + 7 * r for r in range(R)]
+    starts = [sum(lens[:r]) for r in range(R)]
+    plan = table.plan([(s, s + n) for s, n in zip(starts, lens)], [0] * R, lens,
+                      [b[:-(-n // G)] for b, n in zip(blocks, lens)])
+    paged.write_step(pool, plan, torch.randn(sum(lens), H, D).bfloat16(), torch.randn(sum(lens), H, D).bfloat16(),
+                     "bench")  # the prompts: packed tiles, sinks and filling blocks
+
+    def step(n: int) -> tuple[float, float]:
+        new = [x + 1 for x in lens]
+        plan = table.plan([(i, i + 1) for i in range(R)], list(lens), new,
+                          [b[:-(-x // G)] for b, x in zip(blocks, new)])
+        lens[:] = new
+        q, k, v = (torch.randn(R, h, D).bfloat16() for h in (HQ, H, H))
+        out = torch.zeros_like(q)
+        t0 = time.process_time()
+        for _ in range(n):
+            exact = paged.write_step(pool, plan, k, v, "bench")
+        t1 = time.process_time()
+        for _ in range(n):
+            paged.attend_step(pool, plan, q, out, exact, D ** -0.5, None, "bench")
+        return (time.process_time() - t1) / n * 1e3, (t1 - t0) / n * 1e3
+
+    step(3)
+    attend, write = step(30)
+    print(f"{preset}: per layer write {write:.3f} ms, attend {attend:.3f} ms (CPU time); x{LAYERS} layers = "
+          f"{LAYERS * (write + attend):.1f} ms per step")
+    if "--profile" in sys.argv:
+        prof = cProfile.Profile()
+        prof.runcall(step, 10)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+
+
+if __name__ == "__main__":
+    main()
