@@ -59,8 +59,9 @@ from kvarn.quant.tiles import AffineTiles
 
 TILE_CHUNK_ELEMENTS = 1 << 22  # unpacked codes (or decoded elements) per chunk of tiles
 # Folding the scales into the query costs O(M * D) elementwise work per tile and query row; decoding a tile costs
-# O(G * D) once. Above a tile's worth of query rows (prefill chunks: M = groups * L), decoding and one matmul is the
-# cheaper order of the same arithmetic (a 4k-token chunked prefill of Qwen2.5-0.5B: ~4x less attention time).
+# O(G * D) once. Above a tile's worth of query rows (prefill chunks: M = groups * L), decoding the layer and fused SDPA
+# is the cheaper order of the same arithmetic (one 128-token chunk over a 4k past on Qwen2.5-0.5B's layer: 4.6x
+# faster, `python -m kvarn.bench.microbench --prefill`; docs/TASKS.md).
 FOLD_MAX_ROWS = 128
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # logits per chunk of queries (long prefills on a filled cache)
 

@@ -85,16 +85,19 @@ def decode_tiles(p: AffineTiles, dtype: torch.dtype = torch.float32, dense: bool
     rotated tiles, in float64 when `dtype` is; the default is the reference: the butterfly, in float32."""
     x = decode_rows(p, torch.float64 if dense and dtype == torch.float64 else torch.float32)
     x = x.transpose(-1, -2) if p.fmt.axis == "channel" else x
-    h = hadamard_dense(x.shape[-1], x.dtype, x.device) if dense else None
-    rotate = (lambda t: t @ h) if dense else hadamard_transform
-    if p.fmt.rotate == "hadamard":
-        x = rotate(x)
-    elif p.fmt.rotate == "auto":
-        rot = p.rotated.bool().view(-1)
-        if dense and rot.any():
+    if dense:
+        h = hadamard_dense(x.shape[-1], x.dtype, x.device)
+        if p.fmt.rotate == "hadamard":
+            x = x @ h
+        elif p.fmt.rotate == "auto" and p.rotated.bool().any():
+            rot = p.rotated.bool().view(-1)
             x = x.contiguous()
-            x[rot] = rotate(x[rot])
-        elif rot.any():
+            x[rot] = x[rot] @ h
+    elif p.fmt.rotate == "hadamard":
+        x = hadamard_transform(x)
+    elif p.fmt.rotate == "auto":
+        rot = p.rotated.bool()
+        if rot.any():
             x = torch.where(rot.view(-1, 1, 1), hadamard_transform(x), x)
     return x.to(dtype)
 
