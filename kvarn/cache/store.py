@@ -55,6 +55,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from kvarn.cache.allocation import KeyAllocation, promotion_gain
 from kvarn.cache.buffer import Buffer, PackedBuffer
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.cache_policy import CachePolicy
@@ -273,6 +274,18 @@ class TensorStore:
                 self._commit(plan.enc)
             pp = plan.pending_pad
             self._set_tail(plan.pending[:, :, plan.n:], None if pp is None else pp[:, plan.n:])
+
+    def set_quantizer(self, quantizer: TileQuantizer) -> None:
+        """Quantize this store's tiles with `quantizer` from now on; only before its first tile (a store holds one
+        code width: its fields are stacked across tiles)."""
+        if self.quantizer is None or quantizer is None:
+            raise ValueError("set_quantizer swaps one quantizer for another; a store kept exact stays exact")
+        if self.n_tiles:
+            raise ValueError(f"the store already holds {self.n_tiles} tiles of {self.quantizer.describe()}; set "
+                             "its quantizer before the first tile")
+        if self.flush % quantizer.tile:
+            raise ValueError(f"flush unit {self.flush} is not a multiple of the quantizer tile {quantizer.tile}")
+        self.quantizer = quantizer
 
     def flush_pending(self) -> None:
         """Quantize the complete tiles still waiting in the tail (after `append(..., flush=False)`)."""
@@ -501,13 +514,19 @@ class LayerStore:
     """Keys and values of one attention layer: each through its quantizer (None: kept exact), under `policy`.
 
     `sink` overrides the policy's (None: the policy's). `from_preset` builds one from a resolved preset.
+    `allocation` (budget presets): the cache's `KeyAllocation`, which gives this store (its layer `layer`) its key
+    quantizer once every layer has scored; until then key tiles wait exact in the tail.
     """
 
     def __init__(self, key: TileQuantizer | None, value: TileQuantizer | None, policy: CachePolicy, head_dim: int,
                  sink: int | None = None, keep_decoded: bool = False, exact_dtype: torch.dtype | None = None,
-                 nonfinite: NonFinite = "exact") -> None:
+                 nonfinite: NonFinite = "exact", allocation: KeyAllocation | None = None,
+                 layer: int | None = None) -> None:
         if (key is None) != (value is None):
             raise ValueError("a LayerStore quantizes both keys and values or neither")
+        if allocation is not None and (key is None or layer not in allocation.layers):
+            raise ValueError(f"layer {layer} is not one of the key allocation's quantized layers")
+        self.allocation, self.layer = allocation, layer
         self.policy = policy
         s = policy.sink if sink is None else sink
         if s < 0:
@@ -543,7 +562,7 @@ class LayerStore:
         self.settle()
         # defer_keys: the caller promises `observe_queries` for these tokens, so their key tiles are chosen
         # with the statistics of the queries that arrive with them (a prompt's own queries)
-        pk = self.keys._plan(k, not (defer_keys and self.queries is not None), pad)
+        pk = self.keys._plan(k, not (defer_keys and self.queries is not None) and self._keys_settled(), pad)
         pv = self.values._plan(v, True, pad)  # both checked before either changes
         self.keys._apply(pk)
         self.values._apply(pv)
@@ -559,8 +578,33 @@ class LayerStore:
         self.settle()
 
     def settle(self) -> None:
-        """Quantize key tiles that completed but wait for their queries (no-op when none)."""
-        self.keys.flush_pending()
+        """Quantize key tiles that completed but wait for their queries or the key allocation (no-op when none)."""
+        if self.allocation is not None and not self.allocation.decided:
+            self._score()
+        if self._keys_settled():
+            self.keys.flush_pending()
+
+    def _keys_settled(self) -> bool:
+        """Whether key tiles may be stored now: always, except under a budget allocation not yet decided (the
+        first tile then sets this layer's key quantizer)."""
+        a = self.allocation
+        if a is None:
+            return True
+        if not a.decided:
+            return False
+        if not self.keys.n_tiles:
+            q = a.quantizer(self.layer)
+            if self.keys.quantizer is not q:
+                self.keys.set_quantizer(q)
+        return True
+
+    def _score(self) -> None:
+        """Report this layer's promotion gain on its first complete key tile (`kvarn.cache.allocation`), once."""
+        a, ks = self.allocation, self.keys
+        if self.layer in a.scores or ks.tail is None or ks.n_tiles or not ks._ready(ks.tail.shape[2]):
+            return
+        w = self.queries.weight() if self.queries is not None else None
+        a.report(self.layer, promotion_gain(ks.tail[:, :, :a.low.tile], w, a.low, a.high))
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.settle()

@@ -124,6 +124,8 @@ def save_cache(cache: KVarNCache, path: str | PathLike) -> None:
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "kvarn_version": kvarn.__version__,
               "preset": cache.preset.to_dict(cache.head_dim), "model": _model_id(cache.config),
               "attention": cache.attention, "layers": layers, "sha256": _checksum(tensors)}
+    if cache.key_allocation is not None:  # budget presets: the online decision (which layers' keys are promoted)
+        header["key_allocation"] = dict(cache.key_allocation.report_dict())
     save_file(tensors, str(path), metadata={"kvarn": json.dumps(header)})
 
 
@@ -230,12 +232,26 @@ def load_cache(path: str | PathLike, config, preset: Preset | str | None = None,
     sink = next((lay["keys"]["sink_len"] for lay in header["layers"] if lay["kind"] == "kvarn"), None)
     cache = KVarNCache(config, preset, sink=sink, keep_decoded=keep_decoded,
                        attention=attention or header.get("attention", "auto"), nonfinite=nonfinite)
+    alloc, saved_alloc = cache.key_allocation, header.get("key_allocation")
+    if (alloc is None) != (saved_alloc is None):
+        raise CacheFileError(f"{path}: the file {'has no' if saved_alloc is None else 'has a'} key allocation, the "
+                             f"preset here {'has one' if saved_alloc is None else 'has none'}")
+    if alloc is not None:
+        try:
+            for layer_idx, score in saved_alloc["scores"].items():
+                alloc.scores[int(layer_idx)] = float(score)
+            if saved_alloc["promoted"] is not None:
+                alloc.decide(saved_alloc["promoted"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CacheFileError(f"{path}: the saved key allocation {saved_alloc} does not fit this cache: {e}") from e
     for i, (layer, info) in enumerate(zip(cache.layers, header["layers"])):
         p = f"layers.{i}"
         if info["kind"] == "kvarn":
             st = layer.store
             if (st.keys.quantizer is not None) != info["quantized"]:
                 raise CacheFileError(f"{path}: layer {i} quantized={info['quantized']} in the file but not here")
+            if alloc is not None and alloc.decided and st.allocation is not None:
+                st.keys.set_quantizer(alloc.quantizer(i))  # this layer's key code width, before its tiles
             _restore_store(st.keys, info["keys"], f"{p}.keys", tensors, device)
             _restore_store(st.values, info["values"], f"{p}.values", tensors, device)
             if st.queries is not None and f"{p}.queries.sum" in tensors:

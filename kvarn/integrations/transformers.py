@@ -79,6 +79,7 @@ from kvarn.attention import packed_reads
 from kvarn.attention.handoff import attach_observer, attach_past, clear, expect_mask, offer, padding
 from kvarn.attention.packed import KVarNPast
 from kvarn.attention.view import StoredKV
+from kvarn.cache.allocation import KeyAllocation
 from kvarn.cache.rope import Rope
 from kvarn.cache.store import Bytes, LayerStore, TensorStore
 from kvarn.presets import DEFAULT_PRESET, Preset, get_preset
@@ -168,11 +169,14 @@ class KVarNLayer(CacheLayerMixin):
     def __init__(self, key: TileQuantizer | None, value: TileQuantizer | None, policy: CachePolicy,
                  num_kv_heads: int, head_dim: int, sink: int | None = None, keep_decoded: bool = False,
                  rope: Rope | None = None, packed: Callable[[], bool] = lambda: False, layer_idx: int | None = None,
-                 exact_dtype: torch.dtype | None = None, nonfinite: str = "exact", name: str = "custom") -> None:
+                 exact_dtype: torch.dtype | None = None, nonfinite: str = "exact", name: str = "custom",
+                 allocation: KeyAllocation | None = None) -> None:
         super().__init__()
         self.policy, self.name = policy, name  # name: the preset's, for repr only
         self.num_kv_heads, self.head_dim, self.layer_idx = num_kv_heads, head_dim, layer_idx
-        self._store_args = (key, value, policy, head_dim, sink, keep_decoded, exact_dtype, nonfinite)
+        self._store_args = (key, value, policy, head_dim, sink, keep_decoded, exact_dtype, nonfinite, allocation,
+                            layer_idx if allocation is not None else None)
+        self.allocation = allocation
         self.store = LayerStore(*self._store_args)
         self.rope = rope
         self.positions: torch.Tensor | None = None  # [B, T] int32, only with `rope`
@@ -303,6 +307,8 @@ class KVarNLayer(CacheLayerMixin):
 
     # -- housekeeping -----------------------------------------------------------------------------------
     def reset(self) -> None:
+        if self.allocation is not None:  # a new sequence chooses again (reset comes to every layer)
+            self.allocation.clear()
         self.store = LayerStore(*self._store_args)
         self.positions = None
         self.is_initialized = False
@@ -384,6 +390,13 @@ class KVarNCache(Cache):
         first, last = p.policy.fp_layers
         kv: tuple[TileQuantizer, TileQuantizer] | None = None  # built once, for the first quantized layer (stateless)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        quantized = [i for i, kind in enumerate(layer_types) if kind == "full_attention" and p.quantized
+                     and not (i < first or i >= n - last)]
+        # budget presets: which layers' keys get key_high is chosen online (kvarn.cache.allocation)
+        self.key_allocation = None if p.key_high is None or not quantized else KeyAllocation(
+            quantized, p.promoted_layers(len(quantized)), p.quantizers(self.head_dim)[0], p.key_high(self.head_dim))
+        if self.key_allocation is not None:
+            kv = (self.key_allocation.low, p.quantizers(self.head_dim)[1])
         layers: list = []
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
             if kind in SLIDING_TYPES:
@@ -395,7 +408,8 @@ class KVarNCache(Cache):
                     kv = p.quantizers(self.head_dim)
                 kq, vq = kv if quantize and kv is not None else (None, None)
                 layers.append(KVarNLayer(kq, vq, p.policy, self.num_kv_heads, self.head_dim, sink, keep_decoded, rope,
-                                         self._packed_reads, i, exact_dtype if quantize else None, nonfinite, p.name))
+                                         self._packed_reads, i, exact_dtype if quantize else None, nonfinite, p.name,
+                                         self.key_allocation if quantize else None))
             elif kind == "dummy":
                 layers.append(DummyLayer())
             else:
@@ -487,6 +501,30 @@ class KVarNCache(Cache):
             else:
                 out.append(Bytes())
         return out
+
+    def allocation(self) -> dict:
+        """Where this cache spends its bits, per layer: key and value bits of every quantized layer (None: exact or
+        not a kvarn layer), the packed bits per element of its stored tiles (from stored bytes, None before its
+        first tile), and for budget presets the online key allocation (`kvarn.cache.allocation`: scores, the
+        promoted layers; None while it waits for the layers' first tiles)."""
+        keys, values, packed = [], [], []
+        for layer in self.layers:
+            st = getattr(layer, "store", None) if isinstance(layer, KVarNLayer) else None
+            if st is not None:
+                st.settle()  # key tiles waiting for their queries count as stored
+            q = None if st is None else st.keys.quantizer
+            keys.append(None if q is None else q.describe().get("bits"))
+            values.append(None if q is None else st.values.quantizer.describe().get("bits"))
+            tiles = (st.keys.n_tiles + st.values.n_tiles) if q is not None else 0
+            if tiles:
+                b = st.keys.nbytes().packed + st.values.nbytes().packed
+                d, g = st.head_dim, q.tile
+                packed.append(b * 8 / (st.keys.shape_bhd[0] * st.keys.shape_bhd[1] * tiles * g * d))
+            else:
+                packed.append(None)
+        a = self.key_allocation
+        return {"preset": self.preset.name, "key_bits": keys, "value_bits": values, "packed_bits": packed,
+                "budget": None if a is None else dict(a.report_dict())}
 
     def nbytes(self) -> Bytes:
         total = Bytes()

@@ -2,13 +2,16 @@
 k2v2, G = 128.
 
 Families: `kvarn` (Hadamard + VarN), `kvarn-auto` (rotation chosen per tile), `rtn` (plain RTN, KIVI
-orientation, same tiles), `hadamard` (rotation only), `varn` (normalization only), and `fp16`.
+orientation, same tiles), `hadamard` (rotation only), `varn` (normalization only), and `fp16`. The budget family
+`kvarn-b{bits}` (issue 20) is kvarn-auto k2v2 whose keys go to 4 bits in the layers an online score picks
+(`kvarn.cache.allocation`), as many as keep the average at or under `bits` per element at head_dim 128.
 `PRESETS` lists them as (name, factory, aliases); the registry (`kvarn.presets.registry`) registers them beside the
 baselines' (`kvarn.quant.baselines`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -56,6 +59,25 @@ def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | 
                   policy=CachePolicy(tile=tile), family=family, k_bits=k_bits, v_bits=v_bits, params=params)
 
 
+BUDGETS = (2.5, 3.0)
+BUDGET_HEAD_DIM = 128  # budgets are named at head_dim 128; smaller heads pay more for their scales
+
+
+def budget_preset(bits: float, tile: int = 128) -> Preset:
+    """`kvarn-b{bits}`: kvarn-auto k2v2 with the keys of a share of the layers at 4 bits, the share the largest that
+    keeps (k_low + share (k_high - k_low) + v) / 2 <= bits at head_dim 128 (stored bytes, scales included)."""
+    low, high = affine_preset("kvarn-auto", 2, 2, tile), affine_preset("kvarn-auto", 4, 2, tile)
+    d = BUDGET_HEAD_DIM
+    k_lo, v = (q.bits_per_element(d) for q in low.quantizers(d))
+    k_hi = high.quantizers(d)[0].bits_per_element(d)
+    share = min(max((2 * bits - k_lo - v) / (k_hi - k_lo), 0.0), 1.0)
+    desc = (f"kvarn-auto k2v2 with 4-bit keys in the layers that lose most at 2 bits, chosen online per request (the "
+            f"query-weighted key error of each layer's first tile): <= {bits} bits/element at head_dim {d}")
+    return dataclasses.replace(low, name=f"kvarn-b{bits}", description=desc, family="kvarn-budget",
+                               key_high=high.key, promote=share, k_bits=round(2 + 2 * share, 4),
+                               params={**low.params, "budget": bits, "budget_head_dim": d})
+
+
 def _entries() -> tuple[Entry, ...]:
     out: list[Entry] = []
     for fam in FAMILIES:
@@ -71,6 +93,8 @@ def _entries() -> tuple[Entry, ...]:
         name = f"kvarn-k{kb}v{vb}-g128-fp8"
         out.append((name, lambda kb=kb, vb=vb, n=name: affine_preset("kvarn", kb, vb, 128, n, torch.float8_e4m3fn),
                     ()))
+    for b in BUDGETS:
+        out.append((f"kvarn-b{b}", lambda b=b: budget_preset(b), ()))
     out.append(("fp16", lambda: Preset("fp16", "no quantization (the reference)", None, None, family="fp16"), ()))
     return tuple(out)
 

@@ -19,7 +19,7 @@ from kvarn.quant.cache_policy import CachePolicy, ValueWindow
 QuantizerFactory = Callable[[int], TileQuantizer]  # head_dim -> quantizer
 POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(CachePolicy)) - {"version"}
 # the record's fields that make the method; description and notes document it and are not compared
-CHECKED = ("version", "family", "k_bits", "v_bits", "key", "value", "params", "policy")
+CHECKED = ("version", "family", "k_bits", "v_bits", "key", "value", "key_high", "promote", "params", "policy")
 
 
 def _plain(x: object) -> Any:
@@ -32,6 +32,8 @@ class Preset:
     """A method and its cache policy.
 
     key, value    builders head_dim -> `TileQuantizer` (None for both: no quantization)
+    key_high      budget presets: the key quantizer of the layers promoted online (`kvarn.cache.allocation`)
+    promote       the share of the quantized layers whose keys get `key_high` (rounded down per model)
     policy        how the cache holds K/V around them (`kvarn.quant.cache_policy`); its fields read through too:
                   `preset.tile`, `.sink`, `.value_window`, `.fp_layers`, `.key_pre_rope`
     params        the builder's parameters, JSON-plain (recorded with the method)
@@ -46,6 +48,8 @@ class Preset:
     value: QuantizerFactory | None
     policy: CachePolicy = field(default_factory=CachePolicy)
     family: str = "kvarn"
+    key_high: QuantizerFactory | None = None
+    promote: float = 0.0
     k_bits: float = 16
     v_bits: float = 16
     params: Mapping[str, object] = field(default_factory=dict)
@@ -57,6 +61,12 @@ class Preset:
             raise TypeError(f"preset {self.name!r}: policy must be a CachePolicy, got {type(self.policy).__name__}")
         if (self.key is None) != (self.value is None):
             raise ValueError(f"preset {self.name!r}: give both a key and a value quantizer, or neither")
+        if not 0.0 <= self.promote <= 1.0:
+            raise ValueError(f"preset {self.name!r}: promote must lie in [0, 1], got {self.promote!r}")
+        if self.promote > 0 and self.key_high is None:
+            raise ValueError(f"preset {self.name!r}: promote needs key_high, the quantizer of the promoted keys")
+        if self.key_high is not None and self.key is None:
+            raise ValueError(f"preset {self.name!r}: key_high needs a key quantizer to promote from")
 
     # -- the policy's fields, read through (callers predate the split) ------------------------------------------
     @property
@@ -96,15 +106,26 @@ class Preset:
             raise ValueError(f"preset {self.name!r} does not quantize")
         return self.key(head_dim), self.value(head_dim)
 
+    def promoted_layers(self, quantized_layers: int) -> int:
+        """How many of `quantized_layers` layers get `key_high` keys: floor(promote x n), so the budget holds."""
+        return int(self.promote * quantized_layers + 1e-9) if self.key_high is not None else 0
+
     def bits_per_element(self, head_dim: int, num_layers: int | None = None) -> float:
         """Bits per cached K/V element of the quantized region, measured from stored bytes.
 
-        With `num_layers`, full-precision layers (`fp_layers`) are averaged in at 16 bits.
+        Budget presets count their promoted keys: at the `promote` share, or with `num_layers` at the layers a model
+        of that many layers promotes. With `num_layers`, full-precision layers (`fp_layers`) are averaged in at 16
+        bits.
         """
         if not self.quantized:
             return 16.0
         kq, vq = self.quantizers(head_dim)
-        b = (kq.bits_per_element(head_dim) + vq.bits_per_element(head_dim)) / 2
+        kb = kq.bits_per_element(head_dim)
+        if self.key_high is not None:
+            n_q = None if num_layers is None else num_layers - min(num_layers, sum(self.fp_layers))
+            share = self.promote if not n_q else self.promoted_layers(n_q) / n_q
+            kb += share * (self.key_high(head_dim).bits_per_element(head_dim) - kb)
+        b = (kb + vq.bits_per_element(head_dim)) / 2
         if num_layers is not None and any(self.fp_layers):
             n_fp = min(num_layers, sum(self.fp_layers))
             b = (b * (num_layers - n_fp) + 16.0 * n_fp) / num_layers
@@ -116,16 +137,19 @@ class Preset:
         `describe()` (None without quantization), the builder `params`, the policy's `to_dict()`, and the
         description and notes."""
         kq, vq = self.quantizers(head_dim) if self.quantized else (None, None)
+        # budget presets only (records of other presets stay as they were saved before budgets existed)
+        budget = {} if self.key_high is None else {"key_high": dict(self.key_high(head_dim).describe()),
+                                                   "promote": self.promote}
         return _plain({"name": self.name, "version": self.version, "family": self.family, "k_bits": self.k_bits,
                        "v_bits": self.v_bits, "key": None if kq is None else dict(kq.describe()),
-                       "value": None if vq is None else dict(vq.describe()), "params": dict(self.params),
+                       "value": None if vq is None else dict(vq.describe()), **budget, "params": dict(self.params),
                        "policy": self.policy.to_dict(), "description": self.description, "notes": dict(self.notes)})
 
     def differences(self, record: Mapping[str, Any], head_dim: int) -> list[tuple[str, object, object]]:
         """Every (field, recorded, this preset's) in which `record` (a `to_dict` at `head_dim`) differs from this
         preset in the method or the policy, fields dotted (`key.bits`, `policy.sink`); [] when they agree."""
         now = self.to_dict(head_dim)
-        return [d for k in CHECKED for d in _diff(k, record.get(k), now[k])]
+        return [d for k in CHECKED for d in _diff(k, record.get(k), now.get(k))]
 
 
 def _diff(path: str, a: object, b: object) -> Iterator[tuple[str, object, object]]:

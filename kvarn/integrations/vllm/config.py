@@ -63,6 +63,10 @@ def check_preset(preset: Preset) -> None:
     if not (isinstance(kq, AffineQuantizer) and isinstance(vq, AffineQuantizer)):
         raise ValueError(f"kvarn: preset {preset.name!r} is a baseline; the vLLM backend runs the affine family "
                          "(kvarn, rtn, hadamard, varn)")
+    if preset.key_high is not None:
+        raise ValueError(f"kvarn: preset {preset.name!r} is a budget preset (key bits per layer chosen online per "
+                         "request), which the vLLM backend does not implement yet: its pages hold one code width per "
+                         "layer for all requests; use a kvarn-k*v*-g* preset")
     if "auto" in (kq.config.rotate, vq.config.rotate):
         raise ValueError(f"kvarn: preset {preset.name!r} chooses its rotation from running query statistics, which "
                          "the vLLM backend does not keep yet; use a kvarn-k*v*-g* preset")

@@ -437,3 +437,14 @@ def test_batched_decode_equals_per_request_kernel_calls(sink_blocks: int, monkey
     for ob, orq in zip(out_b, out_r):
         for rid in ob:
             torch.testing.assert_close(ob[rid], orq[rid], rtol=1e-5, atol=1e-5, msg=f"request {rid}")
+
+
+@pytest.mark.parametrize(("name", "why"), [("kvarn-b2.5", "budget preset"), ("kvarn-auto-k2v2-g128", "rotation"),
+                                           ("kivi-k2v2-g128", "baseline")])
+def test_presets_the_backend_does_not_run_are_refused_by_name(name: str, why: str) -> None:
+    from kvarn.integrations.vllm.config import check_preset
+    from kvarn.presets import get_preset
+
+    with pytest.raises(ValueError, match=f"{name}.*{why}"):
+        check_preset(get_preset(name))
+    check_preset(get_preset("kvarn-k2v2-g128"))  # and the family it runs passes

@@ -1,0 +1,98 @@
+"""Key bits per layer, chosen online within a budget (the budget presets, issue 20): which layers' keys get the
+high quantizer.
+
+Why keys, why per layer: at 2 bits the loss sits in the keys (k4v2 closes the task gap where k2v2 loses answers),
+and a store holds one code width (its fields stack across tiles), so a layer is the unit a budget can move.
+
+The rule, calibration-free (nothing but the request's own K and Q): when a layer's first key tile is complete and its
+queries have been observed, the layer scores it as the expected squared attention-logit error that the high
+quantizer removes,
+
+    gain_L = err_low - err_high,   err = sum_{b,h} sum_g sum_d w_{b,h,d} (x^_{g,d} - x_{g,d})^2
+
+with w the running query energy E[q_d^2] of kvarn-auto (`kvarn.quant.policy.QueryEnergy`): the logit of a query q
+moves by q . e / sqrt(D) for a key error e, the same D in every layer, so the gains compare across layers. Tiles wait
+exact in the tail until every quantized layer has scored (one forward over the prompt, or the chunk after the sink
+under chunked prefill); then the `count` layers with the largest gains (ties: the lower layer) take the high
+quantizer for good, the rest the low one. Nothing is stored twice: the scores are computed on a trial encoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvarn.quant.base import TileQuantizer
+from kvarn.quant.policy import weighted_error
+
+
+def promotion_gain(tile: torch.Tensor, weight: torch.Tensor | None, low: TileQuantizer,
+                   high: TileQuantizer) -> float:
+    """tile [B, H, G, D] keys, weight [B, H, D] query energy or None (= 1): err_low - err_high (module docstring)."""
+    b, h, g, d = tile.shape
+    flat = tile.reshape(b * h, g, d)
+    w = None if weight is None else weight.to(flat.device).reshape(b * h, d)
+
+    def err(q: TileQuantizer) -> float:
+        packed, finite, _ = q.encode_tiles(flat, w if getattr(q, "takes_weight", False) else None)
+        keep = finite & torch.isfinite(flat).flatten(1).all(1)  # non-finite tiles stay exact: they cost nothing
+        x_hat = q.decode(packed, torch.float32)
+        return float(weighted_error(flat[keep], x_hat[keep], None if w is None else w[keep]).sum())
+
+    return err(low) - err(high)
+
+
+class KeyAllocation:
+    """Which of a cache's quantized layers store keys with `high` (shared by the layers of one cache).
+
+    layers    the quantized layers that report (their indices)
+    count     how many of them get `high`
+    """
+
+    def __init__(self, layers: Sequence[int], count: int, low: TileQuantizer, high: TileQuantizer) -> None:
+        if not 0 <= count <= len(layers):
+            raise ValueError(f"cannot promote {count} of {len(layers)} layers")
+        if low.tile != high.tile:
+            raise ValueError(f"the low and high key quantizers must share a tile ({low.tile} vs {high.tile})")
+        self.layers, self.count, self.low, self.high = tuple(layers), count, low, high
+        self.scores: dict[int, float] = {}
+        self.promoted: frozenset[int] | None = None  # None until decided
+
+    @property
+    def decided(self) -> bool:
+        return self.promoted is not None
+
+    def report(self, layer: int, score: float) -> None:
+        """Layer `layer`'s gain (first report counts); decides once every layer has reported."""
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} is not one of the allocation's layers {self.layers}")
+        self.scores.setdefault(layer, score)
+        if self.promoted is None and len(self.scores) == len(self.layers):
+            ranked = sorted(self.layers, key=lambda i: (-self.scores[i], i))
+            self.promoted = frozenset(ranked[:self.count])
+
+    def decide(self, promoted: Sequence[int]) -> None:
+        """Set the decision (a loaded cache restores its saved one)."""
+        bad = [i for i in promoted if i not in self.layers]
+        if bad or len(set(promoted)) != self.count:
+            raise ValueError(f"an allocation promotes {self.count} distinct layers of {self.layers}, got "
+                             f"{sorted(promoted)}")
+        self.promoted = frozenset(promoted)
+
+    def quantizer(self, layer: int) -> TileQuantizer:
+        if self.promoted is None:
+            raise RuntimeError("the key allocation is not decided yet")
+        return self.high if layer in self.promoted else self.low
+
+    def clear(self) -> None:
+        self.scores.clear()
+        self.promoted = None
+
+    def report_dict(self) -> Mapping[str, Any]:
+        """JSON-plain: the layers, count, the decision (None: pending) and each layer's score."""
+        return {"layers": list(self.layers), "count": self.count,
+                "promoted": None if self.promoted is None else sorted(self.promoted),
+                "scores": {str(i): s for i, s in sorted(self.scores.items())},
+                "low_bits": self.low.describe().get("bits"), "high_bits": self.high.describe().get("bits")}

@@ -1,0 +1,217 @@
+"""Where a preset loses a task's answers: the gold answer's teacher-forced log-probability under the preset, with one
+part of the cache given more bits at a time (issue 20, item 1).
+
+Variants, each on the same samples and under the serving protocol (`kvarn eval tasks`): `full` (DynamicCache), `base`
+(the preset), `keys`/`values` (every quantized layer's keys or values with `--high`'s quantizer), `keys@L`/`values@L`
+(layer L only), and the `--compare` presets whole (`preset:NAME`; budget presets record their online layer scores
+and the layers they promoted, `kvarn.cache.allocation`, so the score can be set beside the swaps). A variant's
+recovery is its gold log-probability minus the base's on the same sample; its share of the gap is that over
+(full - base).
+
+Results are appended per (sample, variant) to OUT/attribute.jsonl (a rerun skips what is done); OUT/attribute.json
+holds the table and OUT/attribute.png the per-layer recoveries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from kvarn.eval.options import positive_int, result_header, setup
+from kvarn.eval.results import publish
+
+COMMAND = "attribute"
+HELP = "which layers' keys or values lose a task's gold answer: one part of the cache at more bits at a time"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="named model, HF id or folder "
+                        "(default: the task model, qwen2.5-coder-0.5b)")
+    parser.add_argument("--preset", default=None, help="the preset to attribute (default: kvarn.DEFAULT_PRESET)")
+    parser.add_argument("--high", default="kvarn-auto-k4v4-g128",
+                        help="the preset whose key/value quantizers a promoted part gets (default: kvarn-auto-k4v4)")
+    parser.add_argument("--task", default="niah_single_2", help="a `kvarn eval tasks` RULER task (default: "
+                        "niah_single_2)")
+    parser.add_argument("--length", type=positive_int, default=1024, help="sample length in tokens (default: 1024)")
+    parser.add_argument("--indices", type=indices, default=[0, 1, 2, 3], help="sample indices (default: 0,1,2,3)")
+    parser.add_argument("--compare", default="kvarn-b2.5,kvarn-b3.0",
+                        help="whole presets to run on the same samples beside the swaps (their online layer scores "
+                             "are recorded; default: kvarn-b2.5,kvarn-b3.0)")
+    parser.add_argument("--parts", default="keys", help="per-layer swaps: keys, values or keys,values (default: keys)")
+    parser.add_argument("--chunk", type=positive_int, default=128, help="serving prefill chunk (default: 128)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated data (default: 0)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", default=f"out/eval/{COMMAND}", help="output folder (default: out/eval/attribute)")
+
+
+def indices(text: str) -> list[int]:
+    """argparse type: comma-separated sample indices >= 0."""
+    out = [int(t) for t in text.split(",") if t.strip()]
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated indices >= 0, got {text!r}")
+    return out
+
+
+def variants(quantized: list[int], parts: list[str], compare: list[str]) -> list[str]:
+    return ["full", "base", *(f"preset:{c}" for c in compare), *parts, *(f"{p}@{i}" for p in parts for i in quantized)]
+
+
+def promote(cache, variant: str, high: tuple) -> None:
+    """Give `variant`'s part of a fresh KVarNCache the high quantizers (before any token is cached)."""
+    if variant in ("full", "base") or variant.startswith("preset:"):
+        return
+    part, _, layer = variant.partition("@")
+    hk, hv = high
+    for i, layer_obj in enumerate(cache.layers):
+        store = getattr(layer_obj, "store", None)
+        if store is None or store.keys.quantizer is None or (layer and int(layer) != i):
+            continue
+        if part == "keys":
+            store.keys.set_quantizer(hk)
+        else:
+            store.values.set_quantizer(hv)
+
+
+def gold_under(model, ids: torch.Tensor, gold: torch.Tensor, cache, chunk: int) -> float:
+    from kvarn.eval.tasks.protocol import gold_logprob
+    from kvarn.integrations.serving import prefill
+
+    with torch.inference_mode():
+        return gold_logprob(model, cache, prefill(model, ids, cache, chunk), gold, chunk)
+
+
+def summarize(records: list[dict], quantized: list[int], parts: list[str]) -> dict:
+    by: dict[str, dict[int, float]] = {}
+    for r in records:
+        by.setdefault(r["variant"], {})[r["index"]] = r["gold_logprob"]
+    idx = sorted(set(by.get("base", {})) & set(by.get("full", {})))
+    gap = [by["full"][i] - by["base"][i] for i in idx]
+    rows = []
+    for v, got in by.items():
+        common = [i for i in idx if i in got]
+        rec = [got[i] - by["base"][i] for i in common]
+        mean = sum(rec) / len(rec) if rec else math.nan
+        g = sum(gap[idx.index(i)] for i in common)
+        rows.append({"variant": v, "samples": len(common), "mean_gold_logprob": sum(got[i] for i in common) /
+                     max(len(common), 1), "recovered": mean, "share_of_gap": sum(rec) / g if g else math.nan})
+    layer_rows = {p: [next((r for r in rows if r["variant"] == f"{p}@{i}"), None) for i in quantized] for p in parts}
+    return {"rows": rows, "gap": sum(gap) / len(gap) if gap else math.nan, "samples": idx,
+            "per_layer": {p: [None if r is None else r["recovered"] for r in rs] for p, rs in layer_rows.items()},
+            "layers": quantized}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# attribute: {result['preset']} on {result['task']} at {result['length']} tokens "
+             f"(samples {result['summary']['samples']})", "",
+             f"gap full - base: {result['summary']['gap']:.3f} nats (gold answer, summed over its tokens)", "",
+             "| variant | samples | mean gold log-prob | recovered vs base | share of gap |", "|---|---|---|---|---|"]
+    for r in sorted(result["summary"]["rows"], key=lambda r: -r["recovered"] if r["recovered"] == r["recovered"]
+                    else 0):
+        lines.append(f"| {r['variant']} | {r['samples']} | {r['mean_gold_logprob']:.3f} | {r['recovered']:+.3f} | "
+                     f"{r['share_of_gap']:.2f} |")
+    if result.get("scores"):
+        lines += ["", f"online layer scores of {result['compare'][0]} (kvarn.cache.allocation; mean over samples):", "",
+                  " ".join(f"L{i}:{s:.3g}" for i, s in zip(result["summary"]["layers"], result["scores"]))]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["summary"]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    parts = list(s["per_layer"])
+    w = 0.8 / max(len(parts), 1)
+    for j, p in enumerate(parts):
+        ax.bar([i + j * w for i in range(len(s["layers"]))], [x or 0.0 for x in s["per_layer"][p]], w,
+               label=f"{p} of one layer at more bits")
+    ax.axhline(s["gap"], color="k", ls="--", lw=0.8, label="full precision (the whole gap)")
+    ax.set_xticks(range(len(s["layers"])), [str(i) for i in s["layers"]], fontsize=7)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("gold log-prob recovered (nats)")
+    ax.set_title(f"{result['preset']}: {result['task']} at {result['length']} tokens, {result['model']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvarn.eval.progress import progress
+    from kvarn.eval.tasks import ruler
+    from kvarn.eval.tasks.base import encode, encode_gold
+    from kvarn.eval.tasks.haystack import resolve_haystack
+    from kvarn.eval.tasks.protocol import new_cache
+    from kvarn.integrations.transformers import KVarNCache, config_head_dim, text_config
+    from kvarn.models import load_model
+    from kvarn.presets import DEFAULT_PRESET, get_preset
+
+    setup(args)
+    preset = args.preset or DEFAULT_PRESET
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or any(p not in ("keys", "values") for p in parts):
+        raise ValueError(f"--parts must name keys and/or values, got {args.parts!r}")
+    if args.task not in ruler.TASKS:
+        raise ValueError(f"--task must be a RULER task ({', '.join(ruler.TASKS)}), got {args.task!r}")
+    get_preset(preset)
+    model, tok = load_model(args.model)
+    high = get_preset(args.high).quantizers(config_head_dim(text_config(model.config)))
+    probe = KVarNCache(model.config, preset)
+    quantized = [i for i, la in enumerate(probe.layers) if getattr(getattr(la, "store", None), "keys", None) is not None
+                 and la.store.keys.quantizer is not None]
+    compare = [c.strip() for c in args.compare.split(",") if c.strip()]
+    for c in compare:
+        get_preset(c)
+    names = variants(quantized, parts, compare)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "attribute.jsonl"
+    setting = {"model": args.model, "preset": preset, "high": args.high, "task": args.task, "length": args.length,
+               "chunk": args.chunk, "seed": args.seed}
+    records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    records = [r for r in records if r["setting"] == setting]
+    done = {(r["index"], r["variant"]) for r in records}
+    haystack = resolve_haystack("auto")
+
+    def count(s) -> int:
+        return encode(tok, s).shape[1] + s.new_tokens
+
+    scores: list[list[float]] = []
+    todo = [(i, v) for i in args.indices for v in names if (i, v) not in done]
+    samples = {}
+    with path.open("a") as f:
+        for i, v in progress(todo, desc="attribute", unit="run"):
+            if i not in samples:
+                s = ruler.fit(args.task, args.length, args.seed, i, count, haystack)
+                samples[i] = (encode(tok, s), encode_gold(tok, s))
+            ids, gold = samples[i]
+            method = "dynamic" if v == "full" else v.removeprefix("preset:") if v.startswith("preset:") else preset
+            cache = new_cache(model, method)
+            promote(cache, v, high)
+            lp = gold_under(model, ids, gold, cache, args.chunk)
+            rec = {"setting": setting, "index": i, "variant": v, "gold_logprob": lp, "gold_tokens": int(gold.numel())}
+            budget = cache.allocation()["budget"] if hasattr(cache, "allocation") else None
+            if budget is not None:
+                rec["scores"], rec["promoted"] = budget["scores"], budget["promoted"]
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            records.append(rec)
+    for r in records if compare else ():
+        if r.get("scores") and r["variant"] == f"preset:{compare[0]}":
+            scores.append([r["scores"][str(i)] for i in quantized])
+    records = [r for r in records if r["index"] in args.indices]  # the table holds the samples asked for
+    result = {**result_header(args, COMMAND), "preset": preset, "high": args.high, "compare": compare,
+              "task": args.task,
+              "length": args.length, "summary": summarize(records, quantized, parts),
+              "scores": [sum(c) / len(c) for c in zip(*scores)] if scores else None}
+    plot(result, out / "attribute.png")
+    publish(result, out / "attribute.json", out, markdown(result))
+    return 0

@@ -1,0 +1,147 @@
+"""Budget presets (kvarn-b2.5, kvarn-b3.0): the online key allocation (kvarn.cache.allocation) — its decision rule,
+the promotion gain against a float64 oracle, key tiles waiting exact until every layer has scored, the budget held
+in stored bytes, packed reads equal to reference reads in a model, and save/load of the decision.
+
+Tolerances: the gain is summed in float32 by `weighted_error` over B*H*G*D terms; against the float64 sum that is
+a relative error of a few float32 eps times log2(terms) at most: 1e-5 relative. Model logits: as
+tests/integrations/test_transformers.py (packed vs reference reads, 1e-3 relative through a 2-layer model).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvarn.cache.allocation import KeyAllocation, promotion_gain
+from kvarn.integrations.serialize import load_cache, save_cache
+from kvarn.integrations.transformers import KVarNCache, KVarNLayer
+from kvarn.presets import get_preset
+from tests.helpers import close, forward_steps, make_tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:kvarn. key tiles stored before any query:UserWarning")
+
+
+def quantizers(d: int = 64):
+    low = get_preset("kvarn-auto-k2v2-g128").quantizers(d)[0]
+    return low, get_preset("kvarn-auto-k4v2-g128").quantizers(d)[0]
+
+
+def test_decision_ranks_by_gain_ties_to_the_lower_layer():
+    low, high = quantizers()
+    a = KeyAllocation([0, 2, 3, 5], 2, low, high)
+    for layer, score in [(0, 1.0), (2, 3.0), (3, 1.0)]:
+        a.report(layer, score)
+    assert not a.decided
+    a.report(2, -100.0)  # the first report counts
+    a.report(5, 0.5)
+    assert a.decided and a.promoted == {2, 0}  # 0 and 3 tie at 1.0: the lower layer
+    assert a.quantizer(2) is high and a.quantizer(3) is low and a.quantizer(5) is low
+    with pytest.raises(ValueError, match="layer 1 is not one"):
+        a.report(1, 1.0)
+    with pytest.raises(ValueError, match="promotes 2 distinct layers"):
+        a.decide([0])
+    with pytest.raises(ValueError, match="cannot promote 5"):
+        KeyAllocation([0, 1], 5, low, high)
+    a.clear()
+    assert not a.decided and not a.scores
+    with pytest.raises(RuntimeError, match="not decided"):
+        a.quantizer(0)
+
+
+def test_promotion_gain_matches_the_float64_oracle(seed):
+    low, high = quantizers()
+    gen = torch.Generator().manual_seed(seed)
+    b, h, g, d = 2, 3, 128, 64
+    x = torch.randn(b, h, g, d, generator=gen, dtype=torch.float64) * torch.rand(d, generator=gen,
+                                                                                   dtype=torch.float64) * 4
+    w = torch.rand(b, h, d, generator=gen, dtype=torch.float64) + 0.1
+    gain = promotion_gain(x.float(), w.float(), low, high)
+
+    def err(q) -> float:  # the same encodings, summed by hand in float64
+        flat, ww = x.float().reshape(b * h, g, d), w.float().reshape(b * h, d)
+        x_hat = q.decode(q.encode_tiles(flat, ww)[0], torch.float64).reshape(b, h, g, d)
+        total = 0.0
+        for i in range(b):
+            for j in range(h):
+                total += float((w[i, j].float().double() * (x_hat[i, j] - x[i, j].float().double()).square()).sum())
+        return total
+
+    oracle = err(low) - err(high)
+    assert oracle > 0 and abs(gain - oracle) <= 1e-5 * abs(err(low))
+
+
+def feed(cache: KVarNCache, k: list[torch.Tensor], v: list[torch.Tensor], sl: slice) -> None:
+    for i, layer in enumerate(cache.layers):  # layer order, as a forward runs them
+        if isinstance(layer, KVarNLayer):
+            cache.update(k[i][:, :, sl], v[i][:, :, sl], i)
+
+
+def test_tiles_wait_exact_then_the_largest_gains_take_four_bits_within_the_budget(seed):
+    """Four layers of head_dim 128 (the budgets' head size); kvarn-b3.0 promotes floor(0.687 x 4) = 2. The keys of
+    layers 1 and 3 are ten times larger (so are their 2-bit errors): they are promoted. Until every layer has
+    scored, key tiles wait exact in the tail; values never wait. The packed region then holds exactly the preset's
+    bits per element at 4 layers, under 3.0."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                      hidden_size=512, vocab_size=64)
+    preset = get_preset("kvarn-b3.0")
+    cache = KVarNCache(cfg, preset, attention="reference")
+    gen = torch.Generator().manual_seed(seed)
+    k = [torch.randn(1, 2, 400, 128, generator=gen) * (10.0 if i in (1, 3) else 1.0) for i in range(4)]
+    v = [torch.randn(1, 2, 400, 128, generator=gen) for _ in range(4)]
+    cache.update(k[0][:, :, :300], v[0][:, :, :300], 0)
+    s0 = cache.layers[0].store
+    assert s0.keys.n_tiles == 0 and s0.values.n_tiles == 1 and not cache.key_allocation.decided
+    s0.settle()  # the layer scores its first complete tile; the others have not yet
+    assert s0.keys.n_tiles == 0 and set(cache.key_allocation.scores) == {0}
+    assert torch.equal(s0.keys.full()[:, :, 128:], k[0][:, :, 128:300])  # waiting tiles read exact (the sink: fp16)
+    for i in (1, 2, 3):
+        cache.update(k[i][:, :, :300], v[i][:, :, :300], i)
+        cache.layers[i].store.settle()
+    assert cache.key_allocation.promoted == {1, 3}
+    feed(cache, k, v, slice(300, 400))  # the next step: every layer stores its tiles with its bits
+    report = cache.allocation()
+    assert report["key_bits"] == [2, 4, 2, 4] and report["value_bits"] == [2, 2, 2, 2]
+    assert all(cache.layers[i].store.keys.n_tiles == 2 for i in range(4))
+    packed = sum(cache.layers[i].store.keys.nbytes().packed + cache.layers[i].store.values.nbytes().packed
+                 for i in range(4))
+    elements = 4 * 2 * (2 * 128) * 128 * 2  # layers x heads x tiled tokens x D x (keys, values)
+    bits = packed * 8 / elements
+    assert bits == pytest.approx(preset.bits_per_element(128, 4), rel=1e-12) and bits <= 3.0
+    assert preset.bits_per_element(128) == pytest.approx(3.0, abs=1e-9)
+    assert get_preset("kvarn-b2.5").bits_per_element(128) <= 2.5 + 1e-12
+
+
+def test_packed_reads_match_reference_reads_in_a_model(seed):
+    """kvarn-b3.0 in a 2-layer model (one layer promoted): a 150-token prefill (one tile past an 8-token sink), a
+    5-token chunk and decode steps give the same logits through packed reads as through the model's attention on
+    dequantized K/V; and the promoted layer's keys are 4-bit, the other's 2-bit."""
+    model = make_tiny_model("llama", head_dim=64)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (1, 158), generator=gen)
+    chunks = [150, 5, 1, 1, 1]
+    ref_cache = KVarNCache(model.config, "kvarn-b3.0", sink=8, attention="reference")
+    ref = forward_steps(model, ids, ref_cache, chunks)
+    cache = KVarNCache(model.config, "kvarn-b3.0", sink=8)
+    got = forward_steps(model, ids, cache, chunks)
+    assert close(got, ref, rel=1e-3), f"max diff {(got - ref).abs().max()}"
+    bits = cache.allocation()["key_bits"]
+    assert sorted(bits) == [2, 4] and bits == ref_cache.allocation()["key_bits"]
+    assert len(cache.key_allocation.promoted) == 1
+
+
+def test_save_load_keeps_the_decision(tmp_path, seed):
+    model = make_tiny_model("llama", head_dim=64)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (1, 160), generator=gen)
+    cache = KVarNCache(model.config, "kvarn-b3.0", sink=8)
+    forward_steps(model, ids, cache, [150, 10])
+    save_cache(cache, tmp_path / "c.safetensors")
+    back = load_cache(tmp_path / "c.safetensors", model.config)
+    assert back.key_allocation.promoted == cache.key_allocation.promoted
+    assert back.allocation()["key_bits"] == cache.allocation()["key_bits"]
+    for a, b in zip(cache.layers, back.layers):
+        assert torch.equal(a.store.keys.full(), b.store.keys.full())
+    more = torch.randint(3, 256, (1, 3), generator=gen)
+    assert torch.equal(forward_steps(model, more, cache, [1, 1, 1]), forward_steps(model, more, back, [1, 1, 1]))
