@@ -44,14 +44,55 @@ def promotion_gain(tile: torch.Tensor, weight: torch.Tensor | None, low: TileQua
     return err(low) - err(high)
 
 
+def output_gain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, weight: torch.Tensor | None,
+                low: TileQuantizer, high: TileQuantizer, rows: int = 128) -> float:
+    """The attention-output error the high quantizer removes ("output" rule): q [B, Hq, t, D] the newest queries (the
+    last t positions of k), k, v [B, H, L, D] what the layer holds exact (values as stored), the key tile at
+    [first, first + G) quantized by each quantizer in turn; over the last `rows` queries,
+    (|o(K with the low tile) - o(K)|^2 - |o(K with the high tile) - o(K)|^2) / |o(K)|^2, causal softmax attention
+    in float32."""
+    b, hq, _, d = q.shape
+    h, n, g = k.shape[1], k.shape[2], low.tile
+    q = q[:, :, -rows:].float()
+    t0 = n - q.shape[2]  # position of the first query kept
+    tile = k[:, :, first:first + g].float()
+    flat = tile.reshape(b * h, g, d)
+    w = None if weight is None else weight.to(flat.device).float().reshape(b * h, d)
+    visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(t0, n, device=q.device)[:, None]  # [t, L]
+    vv = v.float().repeat_interleave(hq // h, 1)
+
+    def out(kt: torch.Tensor) -> torch.Tensor:
+        kk = torch.cat([k[:, :, :first].float(), kt, k[:, :, first + g:].float()], 2).repeat_interleave(hq // h, 1)
+        s = (q @ kk.transpose(-1, -2)) / d ** 0.5
+        return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ vv
+
+    def rec(qz: TileQuantizer) -> torch.Tensor:
+        packed, _, _ = qz.encode_tiles(flat, w if getattr(qz, "takes_weight", False) else None)
+        return qz.decode(packed, torch.float32).reshape(b, h, g, d)
+
+    o = out(tile)
+    # relative to the outputs' energy: value scales grow with depth, and an absolute error would rank by them
+    gain = ((out(rec(low)) - o).square().sum() - (out(rec(high)) - o).square().sum()) / o.square().sum()
+    return float(torch.nan_to_num(gain, nan=0.0, posinf=0.0, neginf=0.0))
+
+
+RULES = ("logit", "output")
+
+
 class KeyAllocation:
     """Which of a cache's quantized layers store keys with `high` (shared by the layers of one cache).
 
     layers    the quantized layers that report (their indices)
     count     how many of them get `high`
+    rule      "logit": `promotion_gain` (query-energy-weighted key error); "output": `output_gain` (the attention
+              output error on the newest queries; layers whose attention observes no query score by "logit")
     """
 
-    def __init__(self, layers: Sequence[int], count: int, low: TileQuantizer, high: TileQuantizer) -> None:
+    def __init__(self, layers: Sequence[int], count: int, low: TileQuantizer, high: TileQuantizer,
+                 rule: str = "logit") -> None:
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        self.rule = rule
         if not 0 <= count <= len(layers):
             raise ValueError(f"cannot promote {count} of {len(layers)} layers")
         if low.tile != high.tile:

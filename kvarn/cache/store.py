@@ -55,7 +55,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from kvarn.cache.allocation import KeyAllocation, promotion_gain
+from kvarn.cache.allocation import KeyAllocation, output_gain, promotion_gain
 from kvarn.cache.buffer import Buffer, PackedBuffer
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.cache_policy import CachePolicy
@@ -575,12 +575,13 @@ class LayerStore:
         if not self.keys.length:
             raise ValueError("observe_queries before any key was appended: the number of KV heads is unknown")
         self.queries.update(q, self.keys.shape_bhd[1])
-        self.settle()
+        self.settle(q)
 
-    def settle(self) -> None:
-        """Quantize key tiles that completed but wait for their queries or the key allocation (no-op when none)."""
+    def settle(self, q: torch.Tensor | None = None) -> None:
+        """Quantize key tiles that completed but wait for their queries or the key allocation (no-op when none);
+        q: the queries just observed (the "output" allocation rule scores with them)."""
         if self.allocation is not None and not self.allocation.decided:
-            self._score()
+            self._score(q)
         if self._keys_settled():
             self.keys.flush_pending()
 
@@ -598,13 +599,19 @@ class LayerStore:
                 self.keys.set_quantizer(q)
         return True
 
-    def _score(self) -> None:
+    def _score(self, q: torch.Tensor | None) -> None:
         """Report this layer's promotion gain on its first complete key tile (`kvarn.cache.allocation`), once."""
         a, ks = self.allocation, self.keys
         if self.layer in a.scores or ks.tail is None or ks.n_tiles or not ks._ready(ks.tail.shape[2]):
             return
         w = self.queries.weight() if self.queries is not None else None
-        a.report(self.layer, promotion_gain(ks.tail[:, :, :a.low.tile], w, a.low, a.high))
+        if a.rule == "output" and q is not None:
+            gain = output_gain(q, ks.full(), self.values.full(), ks.tiles_start, w, a.low, a.high)
+        elif a.rule == "output" and w is not None:
+            return  # queries are observed here: score when this step's arrive
+        else:
+            gain = promotion_gain(ks.tail[:, :, :a.low.tile], w, a.low, a.high)
+        a.report(self.layer, gain)
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.settle()

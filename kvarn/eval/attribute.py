@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="whole presets to run on the same samples beside the swaps (their online layer scores "
                              "are recorded; default: kvarn-b2.5,kvarn-b3.0)")
     parser.add_argument("--parts", default="keys", help="per-layer swaps: keys, values or keys,values (default: keys)")
+    parser.add_argument("--whole", default="keys,values",
+                        help="whole-cache swaps: every layer's keys and/or values at once (default: keys,values)")
     parser.add_argument("--chunk", type=positive_int, default=128, help="serving prefill chunk (default: 128)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated data (default: 0)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
@@ -56,8 +58,9 @@ def indices(text: str) -> list[int]:
     return out
 
 
-def variants(quantized: list[int], parts: list[str], compare: list[str]) -> list[str]:
-    return ["full", "base", *(f"preset:{c}" for c in compare), *parts, *(f"{p}@{i}" for p in parts for i in quantized)]
+def variants(quantized: list[int], parts: list[str], compare: list[str], whole: list[str] | None = None) -> list[str]:
+    return ["full", "base", *(f"preset:{c}" for c in compare), *(parts if whole is None else whole),
+            *(f"{p}@{i}" for p in parts for i in quantized)]
 
 
 def promote(cache, variant: str, high: tuple) -> None:
@@ -115,7 +118,8 @@ def markdown(result: dict) -> str:
                      f"{r['share_of_gap']:.2f} |")
     if result.get("scores"):
         lines += ["", f"online layer scores of {result['compare'][0]} (kvarn.cache.allocation; mean over samples):", "",
-                  " ".join(f"L{i}:{s:.3g}" for i, s in zip(result["summary"]["layers"], result["scores"]))]
+                  " ".join(f"L{i}:{s:.3g}" for i, s in zip(result["summary"]["layers"], result["scores"])), "",
+                  f"layers it promoted (any sample): {result['promoted']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -133,6 +137,9 @@ def plot(result: dict, path: Path) -> Path:
         ax.bar([i + j * w for i in range(len(s["layers"]))], [x or 0.0 for x in s["per_layer"][p]], w,
                label=f"{p} of one layer at more bits")
     ax.axhline(s["gap"], color="k", ls="--", lw=0.8, label="full precision (the whole gap)")
+    chosen = [s["layers"].index(i) for i in result.get("promoted") or [] if i in s["layers"]]
+    if chosen:
+        ax.plot(chosen, [0.0] * len(chosen), "rv", ms=7, label=f"promoted by {result['compare'][0]} (online)")
     ax.set_xticks(range(len(s["layers"])), [str(i) for i in s["layers"]], fontsize=7)
     ax.set_xlabel("layer")
     ax.set_ylabel("gold log-prob recovered (nats)")
@@ -157,8 +164,9 @@ def run(args: argparse.Namespace) -> int:
     setup(args)
     preset = args.preset or DEFAULT_PRESET
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    if not parts or any(p not in ("keys", "values") for p in parts):
-        raise ValueError(f"--parts must name keys and/or values, got {args.parts!r}")
+    whole = [p.strip() for p in args.whole.split(",") if p.strip()]
+    if any(p not in ("keys", "values") for p in parts + whole):
+        raise ValueError(f"--parts and --whole name keys and/or values, got {args.parts!r} and {args.whole!r}")
     if args.task not in ruler.TASKS:
         raise ValueError(f"--task must be a RULER task ({', '.join(ruler.TASKS)}), got {args.task!r}")
     get_preset(preset)
@@ -170,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     compare = [c.strip() for c in args.compare.split(",") if c.strip()]
     for c in compare:
         get_preset(c)
-    names = variants(quantized, parts, compare)
+    names = variants(quantized, parts, compare, whole)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "attribute.jsonl"
@@ -204,14 +212,16 @@ def run(args: argparse.Namespace) -> int:
             f.write(json.dumps(rec) + "\n")
             f.flush()
             records.append(rec)
+    promoted: set[int] = set()
     for r in records if compare else ():
         if r.get("scores") and r["variant"] == f"preset:{compare[0]}":
             scores.append([r["scores"][str(i)] for i in quantized])
+            promoted |= set(r.get("promoted") or ())
     records = [r for r in records if r["index"] in args.indices]  # the table holds the samples asked for
     result = {**result_header(args, COMMAND), "preset": preset, "high": args.high, "compare": compare,
               "task": args.task,
               "length": args.length, "summary": summarize(records, quantized, parts),
-              "scores": [sum(c) / len(c) for c in zip(*scores)] if scores else None}
+              "scores": [sum(c) / len(c) for c in zip(*scores)] if scores else None, "promoted": sorted(promoted)}
     plot(result, out / "attribute.png")
     publish(result, out / "attribute.json", out, markdown(result))
     return 0

@@ -12,9 +12,14 @@ import torch
 
 
 def git_revision() -> str | None:
+    """HEAD's short hash, with "-dirty" when tracked files differ from it (the figures came from uncommitted code)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              timeout=5).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD")
+        return (head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) or None
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -63,7 +63,7 @@ BUDGETS = (2.5, 3.0)
 BUDGET_HEAD_DIM = 128  # budgets are named at head_dim 128; smaller heads pay more for their scales
 
 
-def budget_preset(bits: float, tile: int = 128) -> Preset:
+def budget_preset(bits: float, tile: int = 128, rule: str = "logit", name: str | None = None) -> Preset:
     """`kvarn-b{bits}`: kvarn-auto k2v2 with the keys of a share of the layers at 4 bits, the share the largest that
     keeps (k_low + share (k_high - k_low) + v) / 2 <= bits at head_dim 128 (stored bytes, scales included)."""
     low, high = affine_preset("kvarn-auto", 2, 2, tile), affine_preset("kvarn-auto", 4, 2, tile)
@@ -73,9 +73,9 @@ def budget_preset(bits: float, tile: int = 128) -> Preset:
     share = min(max((2 * bits - k_lo - v) / (k_hi - k_lo), 0.0), 1.0)
     desc = (f"kvarn-auto k2v2 with 4-bit keys in the layers that lose most at 2 bits, chosen online per request (the "
             f"query-weighted key error of each layer's first tile): <= {bits} bits/element at head_dim {d}")
-    return dataclasses.replace(low, name=f"kvarn-b{bits}", description=desc, family="kvarn-budget",
+    return dataclasses.replace(low, name=name or f"kvarn-b{bits}", description=desc, family="kvarn-budget",
                                key_high=high.key, promote=share, k_bits=round(2 + 2 * share, 4),
-                               params={**low.params, "budget": bits, "budget_head_dim": d})
+                               params={**low.params, "budget": bits, "budget_head_dim": d, "rule": rule})
 
 
 def _entries() -> tuple[Entry, ...]:

@@ -2,7 +2,9 @@
 the promotion gain against a float64 oracle, key tiles waiting exact until every layer has scored, the budget held
 in stored bytes, packed reads equal to reference reads in a model, and save/load of the decision.
 
-Tolerances: the gain is summed in float32 by `weighted_error` over B*H*G*D terms; against the float64 sum that is
+Tolerances: the "output" gain is float32 attention (softmax over <= 400 keys, outputs summed over 64 channels):
+against the float64 oracle on the same tile encodings, 1e-4 relative to the low tile's error.
+The "logit" gain is summed in float32 by `weighted_error` over B*H*G*D terms; against the float64 sum that is
 a relative error of a few float32 eps times log2(terms) at most: 1e-5 relative. Model logits: as
 tests/integrations/test_transformers.py (packed vs reference reads, 1e-3 relative through a 2-layer model).
 """
@@ -12,10 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvarn.cache.allocation import KeyAllocation, promotion_gain
+from kvarn.cache.allocation import RULES, KeyAllocation, output_gain, promotion_gain
 from kvarn.integrations.serialize import load_cache, save_cache
 from kvarn.integrations.transformers import KVarNCache, KVarNLayer
 from kvarn.presets import get_preset
+from kvarn.presets.family import budget_preset
 from tests.helpers import close, forward_steps, make_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:kvarn. key tiles stored before any query:UserWarning")
@@ -70,6 +73,42 @@ def test_promotion_gain_matches_the_float64_oracle(seed):
     assert oracle > 0 and abs(gain - oracle) <= 1e-5 * abs(err(low))
 
 
+def test_output_gain_matches_the_float64_oracle(seed):
+    """Causal attention of the last t queries over L keys (GQA: 4 query heads on 2 KV heads), the key tile at
+    [first, first + 128) swapped for its low / high encoding; computed again query by query in float64."""
+    low, high = quantizers()
+    gen = torch.Generator().manual_seed(seed)
+    b, h, hq, n, t, d, first = 1, 2, 4, 300, 40, 64, 128
+    k = torch.randn(b, h, n, d, generator=gen) * (torch.rand(d, generator=gen) * 3 + 0.2)
+    v = torch.randn(b, h, n, d, generator=gen)
+    q = torch.randn(b, hq, t, d, generator=gen) * 2
+    w = torch.rand(b, h, d, generator=gen) + 0.1
+    gain = output_gain(q, k, v, first, w, low, high)
+
+    def encoded(qz) -> torch.Tensor:
+        flat = k[:, :, first:first + 128].reshape(b * h, 128, d)
+        return qz.decode(qz.encode_tiles(flat, w.reshape(b * h, d))[0], torch.float64).reshape(b, h, 128, d)
+
+    def outputs(tile: torch.Tensor) -> torch.Tensor:
+        kk = k.double().clone()
+        kk[:, :, first:first + 128] = tile
+        out = torch.zeros(hq, t, d, dtype=torch.float64)
+        for j in range(hq):
+            kv = j // (hq // h)
+            for i in range(t):
+                pos = n - t + i  # the query's position: it sees keys 0..pos
+                s = kk[0, kv, :pos + 1] @ q[0, j, i].double() / d ** 0.5
+                out[j, i] = torch.softmax(s, 0) @ v[0, kv, :pos + 1].double()
+        return out
+
+    o = outputs(k[:, :, first:first + 128].double())
+    e_low = (outputs(encoded(low)) - o).square().sum()
+    oracle = float((e_low - (outputs(encoded(high)) - o).square().sum()) / o.square().sum())
+    assert oracle > 0 and abs(gain - oracle) <= 1e-4 * float(e_low / o.square().sum())
+    with pytest.raises(ValueError, match="rule must be one of"):
+        KeyAllocation([0], 0, low, high, rule="entropy")
+
+
 def feed(cache: KVarNCache, k: list[torch.Tensor], v: list[torch.Tensor], sl: slice) -> None:
     for i, layer in enumerate(cache.layers):  # layer order, as a forward runs them
         if isinstance(layer, KVarNLayer):
@@ -113,17 +152,19 @@ def test_tiles_wait_exact_then_the_largest_gains_take_four_bits_within_the_budge
     assert get_preset("kvarn-b2.5").bits_per_element(128) <= 2.5 + 1e-12
 
 
-def test_packed_reads_match_reference_reads_in_a_model(seed):
-    """kvarn-b3.0 in a 2-layer model (one layer promoted): a 150-token prefill (one tile past an 8-token sink), a
-    5-token chunk and decode steps give the same logits through packed reads as through the model's attention on
-    dequantized K/V; and the promoted layer's keys are 4-bit, the other's 2-bit."""
+@pytest.mark.parametrize("rule", RULES)
+def test_packed_reads_match_reference_reads_in_a_model(rule, seed):
+    """kvarn-b3.0 in a 2-layer model (one layer promoted), under each allocation rule: a 150-token prefill (one
+    tile past an 8-token sink), a 5-token chunk and decode steps give the same logits through packed reads as
+    through the model's attention on dequantized K/V; and the promoted layer's keys are 4-bit, the other's 2-bit."""
     model = make_tiny_model("llama", head_dim=64)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 256, (1, 158), generator=gen)
     chunks = [150, 5, 1, 1, 1]
-    ref_cache = KVarNCache(model.config, "kvarn-b3.0", sink=8, attention="reference")
+    preset = budget_preset(3.0, rule=rule)
+    ref_cache = KVarNCache(model.config, preset, sink=8, attention="reference")
     ref = forward_steps(model, ids, ref_cache, chunks)
-    cache = KVarNCache(model.config, "kvarn-b3.0", sink=8)
+    cache = KVarNCache(model.config, preset, sink=8)
     got = forward_steps(model, ids, cache, chunks)
     assert close(got, ref, rel=1e-3), f"max diff {(got - ref).abs().max()}"
     bits = cache.allocation()["key_bits"]

@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {len(names)} lm-eval tasks to {args.export_lm_eval}: {', '.join(names)}")
         return 0
     out = Path(args.out)
+    header = result_header(args, COMMAND)  # the code and time the run starts with
     check_settings(out, {"model": args.model, "seed": args.seed, "chunk": args.chunk, "haystack": haystack,
                          "context_tokens": context_tokens, "sink": args.sink, "gold": not args.no_gold})
     from kvarn.models import load_model
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     work = [(slots(list(c.tasks), c.plan, tok), c.methods, c.protocols) for c in cells]
     records = run_all(model, tok, work, out, chunk=args.chunk, gold=not args.no_gold, sink=args.sink,
                       max_context=ctx)
-    result = {**result_header(args, COMMAND), "plan": args.plan, "chunk": args.chunk, "seed": args.seed,
+    result = {**header, "plan": args.plan, "chunk": args.chunk, "seed": args.seed,
               "haystack": haystack, "methods": methods, "protocols": protocols, "tasks": tasks, "samples": len(records),
               "rows": summarize(records, args.seed)}
     write_plots(result, out)
