@@ -45,7 +45,7 @@ def promotion_gain(tile: torch.Tensor, weight: torch.Tensor | None, low: TileQua
 
 
 def output_gain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, weight: torch.Tensor | None,
-                low: TileQuantizer, high: TileQuantizer, rows: int = 128) -> float:
+                low: TileQuantizer, high: TileQuantizer, rows: int = 128) -> float:  # rows: OUTPUT_ROWS
     """The attention-output error the high quantizer removes ("output" rule): q [B, Hq, t, D] the newest queries (the
     last t positions of k), k, v [B, H, L, D] what the layer holds exact (values as stored), the key tile at
     [first, first + G) quantized by each quantizer in turn; over the last `rows` queries,
@@ -77,6 +77,7 @@ def output_gain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, w
 
 
 RULES = ("logit", "output")
+OUTPUT_ROWS = 128  # newest queries the "output" rule scores with
 
 
 class KeyAllocation:

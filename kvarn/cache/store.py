@@ -55,7 +55,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from kvarn.cache.allocation import KeyAllocation, output_gain, promotion_gain
+from kvarn.cache.allocation import OUTPUT_ROWS, KeyAllocation, output_gain, promotion_gain
 from kvarn.cache.buffer import Buffer, PackedBuffer
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.cache_policy import CachePolicy
@@ -527,6 +527,7 @@ class LayerStore:
         if allocation is not None and (key is None or layer not in allocation.layers):
             raise ValueError(f"layer {layer} is not one of the key allocation's quantized layers")
         self.allocation, self.layer = allocation, layer
+        self._recent_q: torch.Tensor | None = None  # [B, Hq, <= OUTPUT_ROWS, D]: the "output" rule's queries
         self.policy = policy
         s = policy.sink if sink is None else sink
         if s < 0:
@@ -575,13 +576,16 @@ class LayerStore:
         if not self.keys.length:
             raise ValueError("observe_queries before any key was appended: the number of KV heads is unknown")
         self.queries.update(q, self.keys.shape_bhd[1])
-        self.settle(q)
+        a = self.allocation
+        if a is not None and a.rule == "output" and not a.decided:  # the newest queries, until this layer scores
+            recent = q if self._recent_q is None else torch.cat([self._recent_q, q], dim=2)
+            self._recent_q = recent[:, :, -OUTPUT_ROWS:]
+        self.settle()
 
-    def settle(self, q: torch.Tensor | None = None) -> None:
-        """Quantize key tiles that completed but wait for their queries or the key allocation (no-op when none);
-        q: the queries just observed (the "output" allocation rule scores with them)."""
+    def settle(self) -> None:
+        """Quantize key tiles that completed but wait for their queries or the key allocation (no-op when none)."""
         if self.allocation is not None and not self.allocation.decided:
-            self._score(q)
+            self._score()
         if self._keys_settled():
             self.keys.flush_pending()
 
@@ -599,16 +603,20 @@ class LayerStore:
                 self.keys.set_quantizer(q)
         return True
 
-    def _score(self, q: torch.Tensor | None) -> None:
-        """Report this layer's promotion gain on its first complete key tile (`kvarn.cache.allocation`), once."""
+    def _score(self) -> None:
+        """Report this layer's promotion gain on its first complete key tile (`kvarn.cache.allocation`), once: the
+        "output" rule on the newest queries observed (up to OUTPUT_ROWS, kept only until then; a layer whose
+        attention observes none falls back to the "logit" rule)."""
         a, ks = self.allocation, self.keys
         if self.layer in a.scores or ks.tail is None or ks.n_tiles or not ks._ready(ks.tail.shape[2]):
             return
         w = self.queries.weight() if self.queries is not None else None
-        if a.rule == "output" and q is not None:
-            gain = output_gain(q, ks.full(), self.values.full(), ks.tiles_start, w, a.low, a.high)
-        elif a.rule == "output" and w is not None:
-            return  # queries are observed here: score when this step's arrive
+        if a.rule == "output" and self._recent_q is not None:
+            if self._recent_q.shape[2] < min(OUTPUT_ROWS, ks.length - ks.tiles_start):
+                return  # fewer queries than keys past the sink: wait for more (decoding one token at a time)
+            gain = output_gain(self._recent_q, ks.full(), self.values.full(), ks.tiles_start, w, a.low, a.high,
+                               OUTPUT_ROWS)
+            self._recent_q = None
         else:
             gain = promotion_gain(ks.tail[:, :, :a.low.tile], w, a.low, a.high)
         a.report(self.layer, gain)
@@ -623,6 +631,8 @@ class LayerStore:
         self.values.index_batch(index)
         if self.queries is not None:
             self.queries.index_batch(index)
+        if self._recent_q is not None:
+            self._recent_q = self._recent_q[index.to(self._recent_q.device)]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest tokens of keys and values (`TensorStore.crop`). The rotation policy's running query
@@ -640,5 +650,5 @@ class LayerStore:
         self.settle()
         b = self.keys.nbytes() + self.values.nbytes()
         if self.queries is not None and self.queries.sum is not None:
-            b.policy = _nbytes(self.queries.sum)
+            b.policy = _nbytes(self.queries.sum) + _nbytes(self._recent_q)
         return b

@@ -186,3 +186,19 @@ def test_save_load_keeps_the_decision(tmp_path, seed):
         assert torch.equal(a.store.keys.full(), b.store.keys.full())
     more = torch.randint(3, 256, (1, 3), generator=gen)
     assert torch.equal(forward_steps(model, more, cache, [1, 1, 1]), forward_steps(model, more, back, [1, 1, 1]))
+
+
+def test_output_rule_decides_when_decoding_one_token_at_a_time(seed):
+    """Token by token (the decode protocol): each layer keeps the newest queries until its first tile completes
+    (position 8 + 128), scores on them, drops them; the next step stores every layer's tile at its bits."""
+    model = make_tiny_model("llama", head_dim=64)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (1, 138), generator=gen)
+    cache = KVarNCache(model.config, budget_preset(3.0, rule="output"), sink=8)
+    forward_steps(model, ids, cache, [1] * 136)
+    assert cache.key_allocation.decided and set(cache.key_allocation.scores) == {0, 1}
+    held = [la.store._recent_q for la in cache.layers]
+    assert held == [None, None]
+    forward_steps(model, ids[:, 136:], cache, [1, 1])
+    assert sorted(cache.allocation()["key_bits"]) == [2, 4]
+    assert all(la.store.keys.n_tiles == 1 for la in cache.layers)
