@@ -81,7 +81,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _names(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))  # a repeated name runs once
     if not names:
         raise ValueError("empty list")
     return names

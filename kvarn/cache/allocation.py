@@ -4,17 +4,21 @@ high quantizer.
 Why keys, why per layer: at 2 bits the loss sits in the keys (k4v2 closes the task gap where k2v2 loses answers),
 and a store holds one code width (its fields stack across tiles), so a layer is the unit a budget can move.
 
-The rule, calibration-free (nothing but the request's own K and Q): when a layer's first key tile is complete and its
-queries have been observed, the layer scores it as the expected squared attention-logit error that the high
-quantizer removes,
+The rules, calibration-free (nothing but the request's own K and Q). When a layer's first key tile is complete and
+its queries have been observed, the layer scores what the high quantizer would remove from that tile:
 
-    gain_L = err_low - err_high,   err = sum_{b,h} sum_g sum_d w_{b,h,d} (x^_{g,d} - x_{g,d})^2
+    "output" (the budget presets' rule, `output_gain`): the attention output's error on the newest 128 queries,
+        relative to the outputs' energy,  (|o(K^low) - o(K)|^2 - |o(K^high) - o(K)|^2) / |o(K)|^2,
+        o the causal softmax attention over everything the layer holds (exact until then);
+    "logit" (`promotion_gain`): the expected squared attention-logit error,
+        err_low - err_high,   err = sum_{b,h} sum_g sum_d w_{b,h,d} (x^_{g,d} - x_{g,d})^2,
+        with w the running query energy E[q_d^2] of kvarn-auto (`kvarn.quant.policy.QueryEnergy`).
 
-with w the running query energy E[q_d^2] of kvarn-auto (`kvarn.quant.policy.QueryEnergy`): the logit of a query q
-moves by q . e / sqrt(D) for a key error e, the same D in every layer, so the gains compare across layers. Tiles wait
-exact in the tail until every quantized layer has scored (one forward over the prompt, or the chunk after the sink
-under chunked prefill); then the `count` layers with the largest gains (ties: the lower layer) take the high
-quantizer for good, the rest the low one. Nothing is stored twice: the scores are computed on a trial encoding.
+docs/TASKS.md ("Budget presets") measures both: "output" kept the needles at 2.5 bits on held-out samples where
+"logit" did not. Tiles wait exact in the tail until every quantized layer has scored (one forward over the prompt,
+or the chunk after the sink under chunked prefill); then the `count` layers with the largest gains (ties: the lower
+layer) take the high quantizer for good, the rest the low one. Nothing is stored twice: the scores are computed on
+trial encodings.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ class KeyAllocation:
     """
 
     def __init__(self, layers: Sequence[int], count: int, low: TileQuantizer, high: TileQuantizer,
-                 rule: str = "logit") -> None:
+                 rule: str = "output") -> None:
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.rule = rule

@@ -395,7 +395,7 @@ class KVarNCache(Cache):
         # budget presets: which layers' keys get key_high is chosen online (kvarn.cache.allocation)
         self.key_allocation = None if p.key_high is None or not quantized else KeyAllocation(
             quantized, p.promoted_layers(len(quantized)), p.quantizers(self.head_dim)[0], p.key_high(self.head_dim),
-            str(p.params.get("rule", "logit")))
+            str(p.params.get("rule", "output")))
         if self.key_allocation is not None:
             kv = (self.key_allocation.low, p.quantizers(self.head_dim)[1])
         layers: list = []

@@ -4,7 +4,8 @@ k2v2, G = 128.
 Families: `kvarn` (Hadamard + VarN), `kvarn-auto` (rotation chosen per tile), `rtn` (plain RTN, KIVI
 orientation, same tiles), `hadamard` (rotation only), `varn` (normalization only), and `fp16`. The budget family
 `kvarn-b{bits}` (issue 20) is kvarn-auto k2v2 whose keys go to 4 bits in the layers an online score picks
-(`kvarn.cache.allocation`), as many as keep the average at or under `bits` per element at head_dim 128.
+(`kvarn.cache.allocation`, rule "output"; docs/TASKS.md measures it beside rule "logit"), as many as keep the
+average at or under `bits` per element at head_dim 128.
 `PRESETS` lists them as (name, factory, aliases); the registry (`kvarn.presets.registry`) registers them beside the
 baselines' (`kvarn.quant.baselines`).
 """
@@ -63,7 +64,7 @@ BUDGETS = (2.5, 3.0)
 BUDGET_HEAD_DIM = 128  # budgets are named at head_dim 128; smaller heads pay more for their scales
 
 
-def budget_preset(bits: float, tile: int = 128, rule: str = "logit", name: str | None = None) -> Preset:
+def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str | None = None) -> Preset:
     """`kvarn-b{bits}`: kvarn-auto k2v2 with the keys of a share of the layers at 4 bits, the share the largest that
     keeps (k_low + share (k_high - k_low) + v) / 2 <= bits at head_dim 128 (stored bytes, scales included)."""
     low, high = affine_preset("kvarn-auto", 2, 2, tile), affine_preset("kvarn-auto", 4, 2, tile)
@@ -71,8 +72,8 @@ def budget_preset(bits: float, tile: int = 128, rule: str = "logit", name: str |
     k_lo, v = (q.bits_per_element(d) for q in low.quantizers(d))
     k_hi = high.quantizers(d)[0].bits_per_element(d)
     share = min(max((2 * bits - k_lo - v) / (k_hi - k_lo), 0.0), 1.0)
-    desc = (f"kvarn-auto k2v2 with 4-bit keys in the layers that lose most at 2 bits, chosen online per request (the "
-            f"query-weighted key error of each layer's first tile): <= {bits} bits/element at head_dim {d}")
+    desc = (f"kvarn-auto k2v2 with 4-bit keys in the layers that lose most at 2 bits, chosen online per request from "
+            f"each layer's first tile (rule {rule!r}, kvarn.cache.allocation): <= {bits} bits/element at head_dim {d}")
     return dataclasses.replace(low, name=name or f"kvarn-b{bits}", description=desc, family="kvarn-budget",
                                key_high=high.key, promote=share, k_bits=round(2 + 2 * share, 4),
                                params={**low.params, "budget": bits, "budget_head_dim": d, "rule": rule})
