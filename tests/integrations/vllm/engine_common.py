@@ -124,7 +124,7 @@ def engine(name: str) -> Run:
     """The session's run of one configuration of the module docstring (started on first use)."""
     if name not in _RUNS:
         job = {"prompts": prompts(), "max_tokens": MAX_NEW}
-        if name == "stock":
+        if name in ("stock", "stock-again"):
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()}, {"VLLM_PLUGINS": ""})
         elif name == "disabled":
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()})

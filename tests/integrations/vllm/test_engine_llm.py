@@ -15,8 +15,15 @@ pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take 
 
 
 def test_installed_but_disabled_is_stock() -> None:
+    """Greedy tokens equal stock's. If they differ, a second stock run decides: each prompt's tokens must equal one of
+    the two stock runs' (then vLLM's CPU engine itself gave that prompt another continuation: at c24bb59 the plain
+    comparison failed twice on one prompt, a divergence at its third token, and passed four times, same commit and
+    settings). If both stock runs agree and the plugin differs, it fails."""
     stock, disabled = engine("stock"), engine("disabled")
-    assert disabled.out["tokens"] == stock.out["tokens"]
+    if disabled.out["tokens"] != stock.out["tokens"]:
+        again = engine("stock-again")
+        for i, (d, s, a) in enumerate(zip(disabled.out["tokens"], stock.out["tokens"], again.out["tokens"])):
+            assert d in (s, a), f"prompt {i}: the disabled plugin's tokens match neither stock run (equal: {s == a})"
     assert capacity(disabled.log) == capacity(stock.log)
     assert "kvarn:" not in disabled.log
     record("disabled_equals_stock", {"tokens": True, "kv_tokens": capacity(disabled.log)})
