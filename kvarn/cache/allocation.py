@@ -32,6 +32,13 @@ from kvarn.quant.base import TileQuantizer
 from kvarn.quant.policy import weighted_error
 
 
+def _trial(q: TileQuantizer, flat: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat [N, G, D] encoded as the cache would (the weight where the quantizer takes one) and decoded in float32:
+    (x^ [N, G, D], input finite [N])."""
+    packed, finite, _ = q.encode_tiles(flat, w if getattr(q, "takes_weight", False) else None)
+    return q.decode(packed, torch.float32), finite
+
+
 def promotion_gain(tile: torch.Tensor, weight: torch.Tensor | None, low: TileQuantizer,
                    high: TileQuantizer) -> float:
     """tile [B, H, G, D] keys, weight [B, H, D] query energy or None (= 1): err_low - err_high (module docstring)."""
@@ -40,9 +47,8 @@ def promotion_gain(tile: torch.Tensor, weight: torch.Tensor | None, low: TileQua
     w = None if weight is None else weight.to(flat.device).reshape(b * h, d)
 
     def err(q: TileQuantizer) -> float:
-        packed, finite, _ = q.encode_tiles(flat, w if getattr(q, "takes_weight", False) else None)
+        x_hat, finite = _trial(q, flat, w)
         keep = finite & torch.isfinite(flat).flatten(1).all(1)  # non-finite tiles stay exact: they cost nothing
-        x_hat = q.decode(packed, torch.float32)
         return float(weighted_error(flat[keep], x_hat[keep], None if w is None else w[keep]).sum())
 
     return err(low) - err(high)
@@ -70,13 +76,10 @@ def output_gain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, w
         s = (q @ kk.transpose(-1, -2)) / d ** 0.5
         return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ vv
 
-    def rec(qz: TileQuantizer) -> torch.Tensor:
-        packed, _, _ = qz.encode_tiles(flat, w if getattr(qz, "takes_weight", False) else None)
-        return qz.decode(packed, torch.float32).reshape(b, h, g, d)
-
     o = out(tile)
+    e_low, e_high = ((out(_trial(qz, flat, w)[0].reshape(b, h, g, d)) - o).square().sum() for qz in (low, high))
     # relative to the outputs' energy: value scales grow with depth, and an absolute error would rank by them
-    gain = ((out(rec(low)) - o).square().sum() - (out(rec(high)) - o).square().sum()) / o.square().sum()
+    gain = (e_low - e_high) / o.square().sum()
     return float(torch.nan_to_num(gain, nan=0.0, posinf=0.0, neginf=0.0))
 
 
