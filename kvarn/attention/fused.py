@@ -1,7 +1,7 @@
 """The fused fast path of `packed_attention`: a stored past handed to the CPU kernel (kvarn.kernels.cpu).
 
 Taken for decode-like steps (at most `MAX_QUERIES` queries per head) on CPU tensors of float32/bf16/fp16 when both
-keys and values are AffineQuantizer tiles of the KVarN orientation (keys per channel, values per token, 1/2/4/8-bit
+keys and values are AffineQuantizer tiles of the KVarN orientation (keys per channel, values per token, 1/2/3/4/8-bit
 codes, the same tile and region boundaries) with keys stored after RoPE. Everything else, and every step when
 KVARN_KERNEL=torch, takes the PyTorch path (the reference). KVARN_KERNEL=cpu refuses to fall back (an error names
 the reason), which is what the kernel tests use.

@@ -37,7 +37,7 @@ from kvarn.ops.hadamard import hadamard_dense
 from kvarn.ops.seats import supported
 from kvarn.quant.tiles import AffineTiles
 
-KERNEL_BITS = (1, 2, 4, 8)
+KERNEL_BITS = (1, 2, 3, 4, 8)
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 DENSE_DTYPES = (torch.float16, torch.bfloat16)  # dense rows read in these dtypes as they are (others: float32)
 MIN_TILES_PER_SPLIT = 8

@@ -4,7 +4,8 @@ For b in {1, 2, 4, 8}, a row of n codes takes m = n*b/8 bytes and per = 8/b code
 j, j + m, j + 2m, ..., j + (per-1)m (plane k = codes [k*m, (k+1)*m)), code j + k*m at bits [k*b, (k+1)*b). So plane
 k of a whole row is (bytes >> k*b) & (2^b - 1): one shift and one mask per plane, with no interleaving, which is what
 lets a kernel unpack a row with plain vector shifts (hqq packs its rows the same way).
-For b = 3: groups of 8 consecutive codes are packed into 3 bytes (24 bits, code j at bits [3j, 3j+3)).
+For b = 3: groups of 8 consecutive codes are packed into 3 bytes (24 bits, code j at bits [3j, 3j+3)); the fused
+kernels unpack such a tile to one code a byte first.
 The last axis must be a multiple of the codes per byte (per group of 8 for b = 3).
 """
 
@@ -14,11 +15,18 @@ import sys
 
 import torch
 
+BITS = (1, 2, 3, 4, 8)
+
+
+def group_codes(bits: int) -> int:
+    """Codes that fill whole bytes: 8/b for the plane layouts, 8 (in 3 bytes) for b = 3."""
+    return 8 if bits == 3 else 8 // bits
+
 
 def _check(codes_last: int, bits: int) -> int:
-    if bits not in (1, 2, 3, 4, 8):
+    if bits not in BITS:
         raise ValueError(f"unsupported bit width {bits} for packing; supported: 1, 2, 3, 4, 8")
-    per = 8 if bits == 3 else 8 // bits
+    per = group_codes(bits)
     if codes_last % per:
         raise ValueError(f"last axis ({codes_last}) must be a multiple of {per} to pack {bits}-bit codes")
     return per

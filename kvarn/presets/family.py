@@ -64,19 +64,27 @@ BUDGETS = (2.5, 3.0)
 BUDGET_HEAD_DIM = 128  # budgets are named at head_dim 128; smaller heads pay more for their scales
 
 
-def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str | None = None) -> Preset:
-    """`kvarn-b{bits}`: kvarn-auto k2v2 with the keys of a share of the layers at 4 bits, the share the largest that
-    keeps (k_low + share (k_high - k_low) + v) / 2 <= bits at head_dim 128 (stored bytes, scales included)."""
-    low, high = affine_preset("kvarn-auto", 2, 2, tile), affine_preset("kvarn-auto", 4, 2, tile)
+def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str | None = None,
+                  high: int = 4) -> Preset:
+    """`kvarn-b{bits}`: kvarn-auto k2v2 with the keys of a share of the layers at `high` (3 or 4) bits, the share the
+    largest that keeps (k_low + share (k_high - k_low) + v) / 2 <= bits at head_dim 128 (stored bytes, scales
+    included)."""
+    if high not in (3, 4):
+        raise ValueError(f"budget presets promote keys to 3 or 4 bits, not {high}")
+    low, top = affine_preset("kvarn-auto", 2, 2, tile), affine_preset("kvarn-auto", high, 2, tile)
     d = BUDGET_HEAD_DIM
     k_lo, v = (q.bits_per_element(d) for q in low.quantizers(d))
-    k_hi = high.quantizers(d)[0].bits_per_element(d)
+    k_hi = top.quantizers(d)[0].bits_per_element(d)
     share = min(max((2 * bits - k_lo - v) / (k_hi - k_lo), 0.0), 1.0)
-    desc = (f"kvarn-auto k2v2 with 4-bit keys in the layers that lose most at 2 bits, chosen online per request from "
-            f"each layer's first tile (rule {rule!r}, kvarn.cache.allocation): <= {bits} bits/element at head_dim {d}")
+    desc = (f"kvarn-auto k2v2 with {high}-bit keys in the layers that lose most at 2 bits, chosen online per request "
+            f"from each layer's first tile (rule {rule!r}, kvarn.cache.allocation): <= {bits} bits/element at head_dim "
+            f"{d}")
+    params = {**low.params, "budget": bits, "budget_head_dim": d, "rule": rule}
+    if high != 4:  # the record of the registered presets (4-bit promotions) stays as it was
+        params["high_bits"] = high
     return dataclasses.replace(low, name=name or f"kvarn-b{bits}", description=desc, family="kvarn-budget",
-                               key_high=high.key, promote=share, k_bits=round(2 + 2 * share, 4),
-                               params={**low.params, "budget": bits, "budget_head_dim": d, "rule": rule})
+                               key_high=top.key, promote=share, k_bits=round(2 + (high - 2) * share, 4),
+                               params=params)
 
 
 def _entries() -> tuple[Entry, ...]:

@@ -152,23 +152,24 @@ def test_tiles_wait_exact_then_the_largest_gains_take_four_bits_within_the_budge
     assert get_preset("kvarn-b2.5").bits_per_element(128) <= 2.5 + 1e-12
 
 
-@pytest.mark.parametrize("rule", RULES)
-def test_packed_reads_match_reference_reads_in_a_model(rule, seed):
-    """kvarn-b3.0 in a 2-layer model (one layer promoted), under each allocation rule: a 150-token prefill (one
-    tile past an 8-token sink), a 5-token chunk and decode steps give the same logits through packed reads as
-    through the model's attention on dequantized K/V; and the promoted layer's keys are 4-bit, the other's 2-bit."""
+@pytest.mark.parametrize(("rule", "high", "budget"), [(r, 4, 3.0) for r in RULES] + [("output", 3, 2.65)])
+def test_packed_reads_match_reference_reads_in_a_model(rule, high, budget, seed):
+    """A budget preset in a 2-layer model (one layer promoted), under each allocation rule and with 3-bit promotions
+    (2.65 bits: one layer of two at 3 bits): a 150-token prefill (one tile past an 8-token sink), a 5-token chunk and
+    decode steps give the same logits through packed reads (the fused kernel for every width) as through the model's
+    attention on dequantized K/V; and the promoted layer's keys are `high`-bit, the other's 2-bit."""
     model = make_tiny_model("llama", head_dim=64)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 256, (1, 158), generator=gen)
     chunks = [150, 5, 1, 1, 1]
-    preset = budget_preset(3.0, rule=rule)
+    preset = budget_preset(budget, rule=rule, high=high)
     ref_cache = KVarNCache(model.config, preset, sink=8, attention="reference")
     ref = forward_steps(model, ids, ref_cache, chunks)
     cache = KVarNCache(model.config, preset, sink=8)
     got = forward_steps(model, ids, cache, chunks)
     assert close(got, ref, rel=1e-3), f"max diff {(got - ref).abs().max()}"
     bits = cache.allocation()["key_bits"]
-    assert sorted(bits) == [2, 4] and bits == ref_cache.allocation()["key_bits"]
+    assert sorted(bits) == [2, high] and bits == ref_cache.allocation()["key_bits"]
     assert len(cache.key_allocation.promoted) == 1
 
 

@@ -147,11 +147,13 @@ def test_auto_rotation_mixed_flags(seed):
 
 def test_other_bit_widths_and_tile_sizes(seed):
     """8-bit keys and 1-bit values (kernel widths 8 and 1), tiles of 32 tokens (rows of 8 bytes: the 8-lane path) and
-    D = 96 (2-bit value rows of 24 bytes), and a 1-bit key tile of 4-byte rows (the scalar path)."""
+    D = 96 (2-bit value rows of 24 bytes), a 1-bit key tile of 4-byte rows (the scalar path), and 3-bit codes (groups
+    of 8 codes in 3 bytes, not planes) for keys (auto, rows of 12 bytes) and values (D = 96: rows of 36 bytes)."""
     gen = torch.Generator().manual_seed(seed)
     cfgs = [(AffineConfig(8, "channel", "hadamard", True, tile=32), AffineConfig(1, "token", "auto", True, tile=32)),
             (AffineConfig(2, "channel", "none", True, tile=32), AffineConfig(2, "token", "hadamard", False, tile=32)),
-            (AffineConfig(1, "channel", "auto", False, tile=32), AffineConfig(4, "token", "none", True, tile=32))]
+            (AffineConfig(1, "channel", "auto", False, tile=32), AffineConfig(4, "token", "none", True, tile=32)),
+            (AffineConfig(3, "channel", "auto", True, tile=32), AffineConfig(3, "token", "hadamard", True, tile=32))]
     for kc, vc in cfgs:
         preset = Preset("test-bits", "", lambda _, c=kc: AffineQuantizer(c), lambda _, c=vc: AffineQuantizer(c),
                         CachePolicy(tile=32, sink=4))

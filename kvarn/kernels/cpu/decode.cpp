@@ -7,7 +7,8 @@
 //     m* = max_s m_s,  l = sum_s exp(m_s - m*) l_s,  acc = sum_s exp(m_s - m*) acc_s,  out = acc / l  (0 if l = 0).
 //
 // Codes of a row are packed in planes (kvarn/ops/packing.py): byte j of a row of C codes holds codes j + k * C/per,
-// k < per = 8/bits, so one load of W bytes and `per` shifts give W consecutive codes of each plane.
+// k < per = 8/bits, so one load of W bytes and `per` shifts give W consecutive codes of each plane (1/2/4/8 bits;
+// 3-bit rows pack groups of 8 codes in 3 bytes and are unpacked to bytes first).
 
 #include <torch/extension.h>
 
@@ -116,9 +117,26 @@ void codes_mm_bits(const uint8_t* codes, int R, int C, const float* w, int ws, i
   else codes_mm_scalar<BITS>(codes, R, C, w, ws, M, out, os);
 }
 
+// 3-bit rows (groups of 8 codes in 3 bytes, code j at bits [3j, 3j + 3): kvarn/ops/packing.py) -> one code a byte.
+void unpack3(const uint8_t* codes, int R, int C, uint8_t* out) {
+  const int groups = R * C / 8;
+  for (int i = 0; i < groups; ++i) {
+    const uint8_t* p = codes + 3 * i;
+    const uint32_t word = p[0] | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16);
+    for (int j = 0; j < 8; ++j) out[8 * i + j] = static_cast<uint8_t>((word >> (3 * j)) & 7);
+  }
+}
+
 // out [M][C] = w [M][R] @ codes [R][C]
 void codes_mm(int bits, const uint8_t* codes, int R, int C, const float* w, int ws, int M, float* out, int os) {
   switch (bits) {
+    case 3: {  // not a plane layout: unpacked to bytes once per tile, then the 8-bit product (same sums, same order)
+      thread_local std::vector<uint8_t> buf;
+      buf.resize(static_cast<size_t>(R) * C);
+      unpack3(codes, R, C, buf.data());
+      codes_mm_bits<8>(buf.data(), R, C, w, ws, M, out, os);
+      break;
+    }
     case 1: codes_mm_bits<1>(codes, R, C, w, ws, M, out, os); break;
     case 2: codes_mm_bits<2>(codes, R, C, w, ws, M, out, os); break;
     case 4: codes_mm_bits<4>(codes, R, C, w, ws, M, out, os); break;

@@ -360,8 +360,18 @@ void encode_rows(const Config& c, const float* X, Work& w, Encoded& e) {
     put(c.scale_dt, e.a.data(), r, c.varn ? delta * s : delta);
     put(c.zero_dt, e.z.data(), r, c.varn ? lo * s : lo);
   }
+  const int mb = c.mb();
+  if (c.bits == 3) {  // kvarn.ops.packing: groups of 8 codes in 3 bytes, code j at bits [3j, 3j + 3)
+    for (int i = 0; i < R * C / 8; ++i) {
+      const uint8_t* q = e.q.data() + 8 * i;
+      uint32_t word = 0;
+      for (int j = 0; j < 8; ++j) word |= static_cast<uint32_t>(q[j]) << (3 * j);
+      for (int k = 0; k < 3; ++k) e.codes[3 * i + k] = static_cast<uint8_t>(word >> (8 * k));
+    }
+    return;
+  }
   // planes (kvarn.ops.packing): byte j of a row holds codes j + k m, k < 8 / bits, at bits [k b, (k + 1) b)
-  const int mb = c.mb(), per = 8 / c.bits;
+  const int per = 8 / c.bits;
   for (int r = 0; r < R; ++r) {
     const uint8_t* q = e.q.data() + r * C;
     uint8_t* out = e.codes.data() + r * mb;
@@ -494,7 +504,7 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
                                     int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,
                                     bool relative) {
   TORCH_CHECK(x.dim() == 3 && x.device().is_cpu(), "kvarn store: x must be [N, G, D] on the CPU");
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "kvarn store: bits must be 1, 2, 4 or 8");
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 8, "kvarn store: bits must be 1, 2, 3, 4 or 8");
   Config c;
   const int64_t N = x.size(0);
   c.G = static_cast<int>(x.size(1));
@@ -511,7 +521,7 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
   c.zero_dt = c.scale_dt == E4M3 ? F16 : c.scale_dt;
   c.col_dt = static_cast<int>(col_dt);
   c.weighted = weight.numel() > 0;
-  TORCH_CHECK(c.C % (8 / c.bits) == 0, "kvarn store: columns must fill whole bytes");
+  TORCH_CHECK(c.C % (c.bits == 3 ? 8 : 8 / c.bits) == 0, "kvarn store: columns must fill whole bytes");
   TORCH_CHECK(!c.varn || (c.R >= 2 && c.C >= 2), "kvarn store: VarN needs rows and columns >= 2");
   TORCH_CHECK(!c.weighted || (weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 &&
                               weight.size(0) == N && weight.size(1) == c.D),

@@ -8,17 +8,17 @@ Per tile x [G, D] (token-major), float32 statistics, exactly the reference's ste
         newer scales, no early stop; Imb(Y) of iteration i reuses its column stds as iteration i + 1's
     8-bit column scales (col_scale_dtype float8_e4m3fn): relative_col_scales (t = e4m3(s_c / max s_c), s_r' = s_r max)
     RTN per row of B = X / s_c / s_r: lo, hi, delta = max((hi - lo) / (2^b - 1), 1e-10), q = round-half-even
-    a = s_r delta, z = s_r lo, t = s_c cast to their storage dtypes; codes packed in planes (kvarn.ops.packing)
+    a = s_r delta, z = s_r lo, t = s_c cast to their storage dtypes; codes packed as kvarn.ops.packing packs them
 rotate="auto" (policy "query" or "mse", kvarn.quant.policy): both bases encoded, each decoded from its stored fields
 ((q a + z) t, rotated back), sum_{g,d} w_d (x^ - x)^2 in double, the rotation kept where strictly lower.
 OpenMP over tiles, no host synchronization.
 
-Served: CPU tensors of float32/bf16/fp16; 1/2/4/8-bit codes; scales in float32/fp16/bf16/float8_e4m3fn (e4m3:
-out-of-range values stored as NaN and an fp16 zero, as `store_scale` and `zero_dtype`); VarN column scales in
-those, relative when `col_scale_dtype` is 8-bit. `unsupported` names why anything else takes the reference: 3-bit
-codes (their 8-code groups are packed differently), other 8-bit formats (e5m2: not needed by any preset), rotation
-policies other than query/mse (arbitrary Python callables), head or tile sizes whose columns do not fill whole
-bytes (the reference raises the error), negative VarN iterations (the reference raises).
+Served: CPU tensors of float32/bf16/fp16; 1/2/3/4/8-bit codes (3-bit: groups of 8 codes in 3 bytes, not planes);
+scales in float32/fp16/bf16/float8_e4m3fn (e4m3: out-of-range values stored as NaN and an fp16 zero, as
+`store_scale` and `zero_dtype`); VarN column scales in those, relative when `col_scale_dtype` is 8-bit.
+`unsupported` names why anything else takes the reference: other 8-bit formats (e5m2: not needed by any preset),
+rotation policies other than query/mse (arbitrary Python callables), head or tile sizes whose columns do not fill
+whole bytes (the reference raises the error), negative VarN iterations (the reference raises).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ import torch
 
 from kvarn.kernels.cpu.build import error, load
 from kvarn.ops.codes import DTYPE_CODES
+from kvarn.ops.packing import group_codes
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-STORE_BITS = (1, 2, 4, 8)
+STORE_BITS = (1, 2, 3, 4, 8)
 
 _EMPTY = torch.empty(0)
 
@@ -47,7 +48,7 @@ def unsupported(x: torch.Tensor, bits: int, channel: bool, varn: bool, varn_iter
     if varn and col_dtype not in DTYPE_CODES:
         return f"column scales in {col_dtype}"
     cols = x.shape[1] if channel else x.shape[2]
-    if cols % (8 // bits):
+    if cols % group_codes(bits):
         return f"{cols} columns do not fill bytes of {bits}-bit codes"
     if varn and (min(x.shape[1], x.shape[2]) < 2 or varn_iters < 0):
         return "VarN needs tiles of at least 2 x 2 and iters >= 0"
