@@ -53,13 +53,17 @@ def _memory(res: dict) -> list[Table]:
 
 
 def _vllm(res: dict) -> list[Table]:
-    rows = [[r["engine"], r["tokens_per_s"], r["requests_per_s"], r["tokens_per_s_vs_stock"], r["kv_tokens"],
-             r["kv_tokens_vs_stock"], r["wall_s"], r["start_s"]] for r in res["rows"]]
-    title = (f"vLLM {res['vllm']} on the CPU, {res['requests']} concurrent requests x ({res['prompt_tokens']} prompt "
-             f"+ {res['new_tokens']} greedy tokens), {res['dtype']}, KV budget {res['kv_gib']} GiB, "
-             f"max_num_seqs={res['max_num_seqs']}")
-    return [(title, ["engine", "tokens/s", "requests/s", "tokens/s vs stock", "KV tokens", "KV vs stock",
-                     "batch s", "start s"], rows)]
+    out = []
+    for run in res["runs"]:
+        rows = [[r["engine"], r["tokens_per_s"], r["tokens_per_s_vs_stock"], r["requests_per_s"],
+                 r["requests_per_s_vs_stock"], r.get("ttft_mean_s"), r.get("tpot_mean_s"), r.get("preemptions"),
+                 r["kv_tokens"], r["kv_tokens_vs_stock"], r.get("max_num_seqs"), r["wall_s"]] for r in run["rows"]]
+        title = (f"vLLM {res['vllm']} on the CPU, {run['kind']}: {run['requests']} requests x "
+                 f"({run['prompt_tokens']} prompt + {run['new_tokens']} greedy tokens), {res['dtype']}, KV budget "
+                 f"{run['kv_bytes'] / MB:g} MiB, max_num_seqs={run['max_num_seqs']}")
+        out.append((title, ["engine", "tokens/s", "vs stock", "requests/s", "vs stock", "TTFT s", "TPOT s",
+                            "preemptions", "KV tokens", "KV vs stock", "seqs at once", "batch s"], rows))
+    return out
 
 
 def _profiles(result: dict) -> list[Table]:
@@ -153,6 +157,20 @@ def plots(result: dict, folder: str | Path) -> list[Path]:
         ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens/s", title="end-to-end decode")
         ax.legend(fontsize=7)
         written.append(_save(fig, folder / "bench-e2e.png"))
+    mem = [r for r in s.get("vllm", {}).get("runs", []) if r["kind"] == "memory"]
+    if mem:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        series = {}
+        for run in mem:
+            for r in run["rows"]:
+                series.setdefault(r["engine"], []).append((run["kv_bytes"] / MB, r["requests_per_s"]))
+        for label, pts in series.items():
+            ax.plot(*zip(*sorted(pts)), marker="o", label=label)
+        run = mem[0]
+        ax.set(xlabel="KV budget (MiB)", ylabel="requests/s", title=f"vLLM, {run['requests']} requests x "
+               f"({run['prompt_tokens']} + {run['new_tokens']}) queued: throughput vs KV budget")
+        ax.legend(fontsize=7)
+        written.append(_save(fig, folder / "bench-vllm-memory.png"))
     if "memory" in s:
         rows = s["memory"]["rows"]
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -34,11 +34,15 @@ SETTINGS: dict[str, tuple[object, object]] = {
     "mem_contexts": ("8192", "1024"),
     "mem_steps": (8, 4),
     "vllm_presets": ("kvarn-k2v2-g128,kvarn-k4v2-g128", "kvarn-k2v2-g128,kvarn-k4v2-g128"),
-    "vllm_requests": (8, 8),
-    "vllm_prompt_tokens": (512, 256),
+    "vllm_requests": ("8,32", "8"),
+    "vllm_prompt_tokens": ("512,2048", "256"),
     "vllm_new_tokens": (128, 64),
-    "vllm_kv_gib": (1, 1),
-    "vllm_max_num_seqs": (8, 8),
+    "vllm_kv_gib": (4.0, 1.0),
+    "vllm_mem_requests": (32, 12),
+    "vllm_mem_prompt_tokens": (2048, 1024),
+    "vllm_mem_new_tokens": (256, 32),
+    "vllm_mem_kv_mib": ("128,212,424", "64"),
+    "vllm_mem_max_num_seqs": (16, 8),
 }
 HELP = {
     "shapes": "attention head shapes (smollm2 = 9 q / 3 KV heads x 64; qwen3-4b = 32 q / 8 KV x 128)",
@@ -49,9 +53,16 @@ HELP = {
     "warmup": "untimed warm-up calls/steps per contender", "store_presets": "store-section presets",
     "store_context": "context of the decode steps the store is compared with", "store_rounds": "store timed rounds",
     "mem_contexts": "memory-section prefill lengths", "mem_steps": "memory-section decode steps",
-    "vllm_presets": "kvarn presets served by vLLM beside stock vLLM", "vllm_requests": "concurrent vLLM requests",
-    "vllm_prompt_tokens": "prompt tokens per vLLM request", "vllm_new_tokens": "greedy tokens per vLLM request",
-    "vllm_kv_gib": "VLLM_CPU_KVCACHE_SPACE (GiB) of every engine", "vllm_max_num_seqs": "vLLM max_num_seqs",
+    "vllm_presets": "kvarn presets served by vLLM beside stock vLLM",
+    "vllm_requests": "equal-batch runs: concurrent requests (= max_num_seqs)",
+    "vllm_prompt_tokens": "equal-batch runs: prompt tokens per request",
+    "vllm_new_tokens": "equal-batch runs: greedy tokens per request",
+    "vllm_kv_gib": "equal-batch runs: KV budget (GiB) of every engine, enough for the whole batch",
+    "vllm_mem_requests": "memory-bound runs: requests queued at once (0: no memory-bound run)",
+    "vllm_mem_prompt_tokens": "memory-bound runs: prompt tokens per request",
+    "vllm_mem_new_tokens": "memory-bound runs: greedy tokens per request",
+    "vllm_mem_kv_mib": "memory-bound runs: KV budgets (MiB), one run each",
+    "vllm_mem_max_num_seqs": "memory-bound runs: vLLM max_num_seqs",
 }
 
 
@@ -78,6 +89,16 @@ def _ints(text: str) -> list[int]:
     from kvarn.eval.options import int_list
 
     return int_list(text)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        out = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated numbers, got {text!r}") from None
+    if not out or any(x <= 0 for x in out):
+        raise ValueError(f"expected positive numbers, got {text!r}")
+    return out
 
 
 def _names(text: str) -> list[str]:
@@ -154,7 +175,7 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
             out["sections"]["memory"] = bench_memory(args.model, load_ids, _ints(s["mem_contexts"]),
                                                      _names(s["caches"]), s["mem_steps"])
         elif section == "vllm":
-            from kvarn.bench.vllm import bench_vllm, missing
+            from kvarn.bench.vllm import bench_vllm, missing, scenarios
 
             why = missing()
             if why is not None:
@@ -165,10 +186,11 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
                 from kvarn.models import resolve
 
                 tok = AutoTokenizer.from_pretrained(str(resolve(args.model)))
-            out["sections"]["vllm"] = bench_vllm(
-                args.model, functools.partial(load_tokens, tok, args.text),
-                _names(s["vllm_presets"]), s["vllm_requests"], s["vllm_prompt_tokens"], s["vllm_new_tokens"],
-                s["vllm_kv_gib"], s["vllm_max_num_seqs"])
+            runs = scenarios(_ints(s["vllm_requests"]), _ints(s["vllm_prompt_tokens"]), s["vllm_new_tokens"],
+                             s["vllm_kv_gib"], s["vllm_mem_requests"], s["vllm_mem_prompt_tokens"],
+                             s["vllm_mem_new_tokens"], _floats(s["vllm_mem_kv_mib"]), s["vllm_mem_max_num_seqs"])
+            out["sections"]["vllm"] = bench_vllm(args.model, functools.partial(load_tokens, tok, args.text),
+                                                 _names(s["vllm_presets"]), runs)
         if args.json:  # after every section, so a long run that stops early keeps what it measured
             write_json(args.json, out | {"targets": check_targets(out), "wall_s": time.perf_counter() - t0})
     out["targets"] = check_targets(out)

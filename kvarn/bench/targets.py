@@ -1,4 +1,4 @@
-"""The speed targets of issue 10, checked against a bench result: met, missed, or not measured in this run."""
+"""The speed targets of issues 10 and 19, checked against a bench result: met, missed, or not measured in this run."""
 
 from __future__ import annotations
 
@@ -49,6 +49,27 @@ def _store(res: dict) -> list[dict]:
                      bound, True, p) for p, bound in ((K2V2, 0.2), (AUTO, 0.4))]
 
 
+K4V2 = "kvarn-k4v2-g128"
+MEM_BUDGET = 212 * 2**20  # issue 19: 32 requests of 2,048 + 256 tokens, a KV budget holding about 4 of stock's
+
+
+def _vllm(res: dict) -> list[dict]:
+    """Issue 19: equal batch (8 x (512 + 128)) k2v2, the default and k4v2 >= 1.0x stock tokens/s; memory-bound
+    (32 x (2,048 + 256) in 212 MiB) k2v2 >= 2.0x stock requests/s."""
+    out = []
+    for run in res.get("runs", []):
+        rows = {r["engine"]: r for r in run["rows"]}
+        if run["kind"] == "equal" and (run["requests"], run["prompt_tokens"], run["new_tokens"]) == (8, 512, 128):
+            for p in dict.fromkeys([K2V2, get_preset(DEFAULT_PRESET).name, K4V2]):
+                out.append(_verdict("vLLM generated tokens/s / stock", rows[p]["tokens_per_s_vs_stock"] if p in rows
+                                    else None, 1.0, False, f"{p}, 8 x (512 + 128)"))
+        if run["kind"] == "memory" and run["kv_bytes"] == MEM_BUDGET and (run["requests"], run["prompt_tokens"]) == (
+                32, 2048):
+            out.append(_verdict("vLLM requests/s / stock, memory-bound", rows[K2V2]["requests_per_s_vs_stock"]
+                                if K2V2 in rows else None, 2.0, False, f"{K2V2}, 32 x (2048 + 256), 212 MiB"))
+    return out
+
+
 def check_targets(result: dict) -> list[dict]:
     """Every target of issue 10 for the sections present in `result` (a `kvarn bench` JSON)."""
     s = result.get("sections", {})
@@ -59,4 +80,6 @@ def check_targets(result: dict) -> list[dict]:
         out += _e2e(s["e2e"])
     if "store" in s:
         out += _store(s["store"])
+    if "vllm" in s:
+        out += _vllm(s["vllm"])
     return out

@@ -1,11 +1,18 @@
 """`kvarn bench vllm`: throughput of stock vLLM vs vLLM with the kvarn plugin, on the CPU, as ratios in one run.
 
-Each engine runs in its own process, one after another, with the same settings (`vllm_run`): a batch of
-`requests` concurrent requests (prompts of `prompt_tokens` tokens of the default text, each from its own offset),
-`new_tokens` greedy tokens each (ignore_eos), submitted together so vLLM batches them continuously. Reported per
-engine: generated tokens/s and requests/s over the timed batch (engine start and one warm-up request excluded),
-and the KV capacity vLLM reports ("KV cache size: N tokens", same VLLM_CPU_KVCACHE_SPACE); ratios vs stock.
-"Stock" is vLLM with kvarn installed but not enabled, which the engine tests show is exactly stock vLLM.
+Each engine runs in its own process, one after another, with the same settings (`vllm_run`), in two kinds of runs:
+
+    equal batch   R concurrent requests of P prompt tokens (the default text, each from its own offset) + N greedy
+                  tokens (ignore_eos), max_num_seqs = R, a KV budget that holds the whole batch for every engine: what
+                  the kernels and the bookkeeping cost when memory is not the limit;
+    memory-bound  R requests queued at once in a KV budget of M MiB (`kv_cache_memory_bytes`) that holds only a few
+                  of stock's sequences, max_num_seqs S: what kvarn's capacity buys when memory is the limit.
+
+Reported per engine: generated tokens/s and requests/s over the timed batch (engine start and one warm-up request
+excluded), mean TTFT and TPOT (vLLM's own per-request stats), preemptions (vLLM's counter), the KV capacity vLLM
+reports ("KV cache size: N tokens") and the concurrency kvarn's pool allows (its "max_num_seqs lowered" line);
+ratios vs stock. "Stock" is vLLM with kvarn installed but not enabled, which the engine tests show is exactly stock
+vLLM.
 
 Needs vLLM (`make vllm-venv`, then `.venv-vllm/bin/kvarn bench vllm`).
 """
@@ -18,9 +25,26 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 RUN_TIMEOUT = 3600
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Scenario:
+    kind: str  # "equal" or "memory"
+    requests: int
+    prompt_tokens: int
+    new_tokens: int
+    kv_bytes: int
+    max_num_seqs: int
+
+    @property
+    def label(self) -> str:
+        return (f"{self.kind}: {self.requests} x ({self.prompt_tokens} + {self.new_tokens}), KV "
+                f"{self.kv_bytes / MIB:g} MiB, max_num_seqs {self.max_num_seqs}")
 
 
 def missing() -> str | None:
@@ -34,17 +58,18 @@ def missing() -> str | None:
     return None
 
 
-def _env(kv_gib: int) -> dict:
+def _env() -> dict:
     n = os.cpu_count() or 1
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the budget is kv_cache_memory_bytes, in bytes
+    return env
 
 
-def _engine(name: str, llm: dict, prompts: list[list[int]], new_tokens: int, kv_gib: int) -> dict:
+def _engine(name: str, llm: dict, prompts: list[list[int]], new_tokens: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"kvarn-bench-vllm-{name}-"))
     job, out = tmp / "job.json", tmp / "out.json"
     job.write_text(json.dumps({"llm": llm, "prompts": prompts, "max_tokens": new_tokens}))
-    proc = subprocess.run([sys.executable, "-m", "kvarn.bench.vllm_run", str(job), str(out)], env=_env(kv_gib),
+    proc = subprocess.run([sys.executable, "-m", "kvarn.bench.vllm_run", str(job), str(out)], env=_env(),
                           capture_output=True, text=True, timeout=RUN_TIMEOUT)
     log = proc.stdout + proc.stderr
     if proc.returncode:
@@ -52,32 +77,48 @@ def _engine(name: str, llm: dict, prompts: list[list[int]], new_tokens: int, kv_
     r = json.loads(out.read_text())
     m = re.search(r"KV cache size: ([\d,]+) tokens", log)
     r["kv_tokens"] = int(m.group(1).replace(",", "")) if m else None
+    m = re.search(r"max_num_seqs lowered from \d+ to (\d+)", log)
+    r["max_num_seqs"] = int(m.group(1)) if m else llm["max_num_seqs"]
     r["tokens_per_s"] = r["generated_tokens"] / r["wall_s"]
     r["requests_per_s"] = r["requests"] / r["wall_s"]
     return r
 
 
-def bench_vllm(model: str, load_ids, presets: list[str], requests: int, prompt_tokens: int, new_tokens: int,
-               kv_gib: int, max_num_seqs: int) -> dict:
+def scenarios(requests: list[int], prompt_tokens: list[int], new_tokens: int, kv_gib: float, mem_requests: int,
+              mem_prompt_tokens: int, mem_new_tokens: int, mem_kv_mib: list[float], mem_max_num_seqs: int,
+              ) -> list[Scenario]:
+    """The equal-batch grid (requests x prompt lengths) and the memory-bound runs (one per KV budget; none when
+    mem_requests is 0)."""
+    out = [Scenario("equal", r, p, new_tokens, int(kv_gib * 2**30), r) for p in prompt_tokens for r in requests]
+    if mem_requests:
+        out += [Scenario("memory", mem_requests, mem_prompt_tokens, mem_new_tokens, int(m * MIB), mem_max_num_seqs)
+                for m in mem_kv_mib]
+    return out
+
+
+def bench_vllm(model: str, load_ids, presets: list[str], runs: list[Scenario]) -> dict:
     """The section's figures (module docstring); load_ids(n, offset_chars) -> token ids [1, n]."""
     from kvarn.models import resolve
 
     path = str(resolve(model))
-    prompts = [load_ids(prompt_tokens, 4000 * i)[0].tolist() for i in range(requests)]
-    base = {"model": path, "dtype": "bfloat16", "max_model_len": prompt_tokens + new_tokens + 16,
-            "max_num_seqs": max_num_seqs, "enforce_eager": True, "seed": 0}
-    rows = []
-    for name in ("stock", *presets):
-        llm = base if name == "stock" else {**base, "additional_config": {"kvarn": {"preset": name}}}
-        print(f"kvarn bench vllm: {name} ...", file=sys.stderr, flush=True)
-        rows.append({"engine": name, **_engine(name, llm, prompts, new_tokens, kv_gib)})
-    stock = rows[0]
-    for r in rows:
-        r["tokens_per_s_vs_stock"] = r["tokens_per_s"] / stock["tokens_per_s"]
-        r["kv_tokens_vs_stock"] = (r["kv_tokens"] / stock["kv_tokens"]) if r["kv_tokens"] and stock["kv_tokens"] \
-            else None
+    out_runs = []
+    for sc in runs:
+        prompts = [load_ids(sc.prompt_tokens, 4000 * i)[0].tolist() for i in range(sc.requests)]
+        base = {"model": path, "dtype": "bfloat16", "max_model_len": sc.prompt_tokens + sc.new_tokens + 16,
+                "max_num_seqs": sc.max_num_seqs, "enforce_eager": True, "seed": 0, "kv_cache_memory_bytes": sc.kv_bytes}
+        rows = []
+        for name in ("stock", *presets):
+            llm = base if name == "stock" else {**base, "additional_config": {"kvarn": {"preset": name}}}
+            print(f"kvarn bench vllm: {sc.label}: {name} ...", file=sys.stderr, flush=True)
+            rows.append({"engine": name, **_engine(name, llm, prompts, sc.new_tokens)})
+        stock = rows[0]
+        for r in rows:
+            r["tokens_per_s_vs_stock"] = r["tokens_per_s"] / stock["tokens_per_s"]
+            r["requests_per_s_vs_stock"] = r["requests_per_s"] / stock["requests_per_s"]
+            r["kv_tokens_vs_stock"] = (r["kv_tokens"] / stock["kv_tokens"]) if r["kv_tokens"] and stock["kv_tokens"] \
+                else None
+        out_runs.append({**asdict(sc), "rows": rows})
     import vllm
 
-    return {"vllm": vllm.__version__, "model": model, "dtype": "bfloat16", "requests": requests,
-            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "kv_gib": kv_gib, "max_num_seqs": max_num_seqs,
-            "kernel": os.environ.get("KVARN_KERNEL", "auto"), "rows": rows}
+    return {"vllm": vllm.__version__, "model": model, "dtype": "bfloat16",
+            "kernel": os.environ.get("KVARN_KERNEL", "auto"), "runs": out_runs}

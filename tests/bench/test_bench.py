@@ -3,6 +3,7 @@ kvarn/eval/schemas/bench.schema.json; the bench's own shortcuts and accounting c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -114,20 +115,37 @@ def test_bench_vllm_without_vllm_names_the_fix(monkeypatch, capsys):
     assert "make vllm-venv" in capsys.readouterr().err
 
 
-def test_bench_vllm_table_and_schema():
-    """The vllm section's table renders from its JSON, which the bench schema accepts."""
-    from kvarn.bench.report import tables
+def test_bench_vllm_table_and_schema(tmp_path):
+    """The vllm section's tables and targets come from its JSON, which the bench schema accepts; the plot of
+    throughput vs KV budget is drawn from the memory-bound runs."""
+    from kvarn.bench.report import plots, tables
+    from kvarn.bench.targets import check_targets
+    from kvarn.bench.vllm import scenarios
     from kvarn.eval.provenance import provenance
 
-    row = {"engine": "stock", "tokens_per_s": 10.0, "requests_per_s": 0.1, "tokens_per_s_vs_stock": 1.0,
-           "kv_tokens": 100, "kv_tokens_vs_stock": 1.0, "wall_s": 80.0, "start_s": 40.0}
-    sec = {"vllm": "0.32.0", "model": "default", "dtype": "bfloat16", "requests": 8, "prompt_tokens": 256,
-           "new_tokens": 64, "kv_gib": 1, "max_num_seqs": 8, "rows": [row]}
-    result = {"command": "kvarn bench vllm", "quick": True, "note": None, "provenance": provenance(),
+    def row(engine, tps, rps, seqs):
+        return {"engine": engine, "tokens_per_s": tps, "requests_per_s": rps, "tokens_per_s_vs_stock": tps / 10,
+                "requests_per_s_vs_stock": rps / 0.1, "ttft_mean_s": 2.0, "tpot_mean_s": 0.1, "preemptions": 0,
+                "preempted_requests": 0, "kv_tokens": 100, "kv_tokens_vs_stock": 1.0, "max_num_seqs": seqs,
+                "wall_s": 80.0, "start_s": 40.0}
+
+    runs = scenarios([8], [512], 128, 4.0, 32, 2048, 256, [212.0, 424.0], 16)
+    assert [r.kind for r in runs] == ["equal", "memory", "memory"] and runs[1].kv_bytes == 212 * 2**20
+    assert runs[0].max_num_seqs == 8 and scenarios([8], [512], 128, 4.0, 0, 2048, 256, [212.0], 16) == runs[:1]
+    sec = {"vllm": "0.32.0", "model": "default", "dtype": "bfloat16", "kernel": "auto", "runs": [
+        {**dataclasses.asdict(sc), "rows": [row("stock", 10.0, 0.1, 8), row("kvarn-k2v2-g128", 9.0, 0.25, 12)]}
+        for sc in runs]}
+    result = {"command": "kvarn bench vllm", "quick": False, "note": None, "provenance": provenance(),
               "sections": {"vllm": sec}, "targets": [], "wall_s": 1.0}
     validate(result, load_schema("bench"))
-    [(title, head, rows)] = tables(result)
-    assert "vLLM 0.32.0" in title and rows[0][0] == "stock" and len(head) == len(rows[0])
+    got = tables(result)
+    assert len(got) == 3 and all(len(head) == len(rows[0]) for _, head, rows in got)
+    assert "equal: 8 requests" in got[0][0] and "212 MiB" in got[1][0]
+    verdicts = {(t["where"], t["status"]) for t in check_targets(result)}
+    assert ("kvarn-k2v2-g128, 8 x (512 + 128)", "missed") in verdicts  # 0.9x stock tokens/s
+    assert ("kvarn-k2v2-g128, 32 x (2048 + 256), 212 MiB", "met") in verdicts  # 2.5x stock requests/s
+    assert ("kvarn-k4v2-g128, 8 x (512 + 128)", "not measured") in verdicts
+    assert [p.name for p in plots(result, tmp_path)] == ["bench-vllm-memory.png"]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
