@@ -37,13 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvarn.decoding import DEFAULT_PROMPT, chat_prompt, follow_reference, greedy_reference
     from kvarn.eval.engine import RunSpec, run_blocks
-    from kvarn.eval.forward import decoder_layers, head_dim
+    from kvarn.eval.forward import head_dim, quantizable_layers
     from kvarn.models import load_model
 
     seed_everything(args.seed)
     presets = [p for p in parse_methods(args.methods) if p.quantized]
     model, tok = load_model(args.model)
-    d, n_layers = head_dim(model), len(decoder_layers(model))
+    d, n_layers = head_dim(model), quantizable_layers(model)
     ids = load_tokens(tok, args.text, args.max_len)
     _, traces = run_blocks(model, ids, [RunSpec(p.name, p, "cumulative") for p in presets], args.block,
                            sink=args.sink, desc="pseudo-decode")

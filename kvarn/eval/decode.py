@@ -25,7 +25,7 @@ import argparse
 from pathlib import Path
 
 from kvarn.eval.engine import RunSpec, Trace, run_blocks
-from kvarn.eval.forward import decoder_layers, head_dim
+from kvarn.eval.forward import decoder_layers, head_dim, quantizable_layers
 from kvarn.eval.options import add_common_arguments, parse_methods, positive_int, result_header, seed_everything
 from kvarn.eval.results import markdown_table, publish
 from kvarn.eval.text import load_tokens, text_name
@@ -121,13 +121,13 @@ def run(args: argparse.Namespace) -> int:
     ids = load_tokens(tok, args.text, args.max_len, offset_chars=args.offset)
     specs = [RunSpec(p.name, p, "cumulative") for p in presets]
     _, traces = run_blocks(model, ids, specs, 1, sink=args.sink, desc=COMMAND, inspect=rotation_shares)
-    d, n_layers = head_dim(model), len(decoder_layers(model))
+    d, n_layers, n_quant = head_dim(model), len(decoder_layers(model)), quantizable_layers(model)
     sink = args.sink if args.sink is not None else sorted({p.sink for p in presets})
     result = {
         **result_header(args, COMMAND), "text": text_name(args.text), "offset": args.offset,
         "tokens": int(ids.shape[1]),
         "sink": sink, "last": args.last, "attention": args.attention, "num_layers": n_layers, "head_dim": d,
-        "runs": [run_record(tr, tr.spec.preset.bits_per_element(d, n_layers), args.last) for tr in traces],
+        "runs": [run_record(tr, tr.spec.preset.bits_per_element(d, n_quant), args.last) for tr in traces],
     }
     out = Path(args.out)
     from kvarn.eval import plots

@@ -25,6 +25,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def quantizable_layers(model: nn.Module) -> int:
+    """Layers whose cache a preset quantizes: the full-attention ones (sliding-window layers stay the model's own,
+    exact, as `KVarNCache` keeps them), so per-model bit counts (`Preset.bits_per_element(d, n)`) average over them."""
+    c = model.config
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    kinds = getattr(c, "layer_types", None)
+    return sum(k == "full_attention" for k in kinds) if kinds else len(decoder_layers(model))
+
+
 def head_dim(model: nn.Module) -> int:
     c = model.config
     return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

@@ -136,3 +136,20 @@ def test_issue6_acceptance(model, tmp_path):
     result = json.loads((out / "decode.json").read_text())
     assert result["tokens"] == 1024 and all(not math.isnan(x["summary"]["kl_mean"]) for x in result["runs"])
     check_issue6(result, "kvarn-auto-k2v2-g128")
+
+
+def test_budget_bits_count_the_quantized_layers_only():
+    """A model with sliding-window layers (kept exact by KVarNCache) averages a budget preset's promotions over its
+    full-attention layers: 3 of 4 here, where kvarn-b3.0 promotes 2 (over all 4 layers it would promote 2 of 4 and
+    report fewer bits than the cache stores)."""
+    from kvarn.eval.forward import quantizable_layers
+    from kvarn.integrations.transformers import KVarNCache
+    from kvarn.presets import get_preset
+    from tests.helpers import make_tiny_model
+
+    model = make_tiny_model("gemma3", layers=4, layer_types=["sliding_attention"] + ["full_attention"] * 3)
+    assert quantizable_layers(model) == 3 and quantizable_layers(make_tiny_model("llama", layers=3)) == 3
+    p = get_preset("kvarn-b3.0")
+    cache = KVarNCache(model.config, p)
+    assert cache.key_allocation.count == p.promoted_layers(quantizable_layers(model)) == 2
+    assert p.bits_per_element(64, 3) != p.bits_per_element(64, 4)
