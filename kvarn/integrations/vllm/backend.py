@@ -49,7 +49,7 @@ from kvarn.integrations.vllm.layout import (
     choose_pool,
     num_blocks_in,
 )
-from kvarn.integrations.vllm.paged import attend_step, write_step
+from kvarn.integrations.vllm.paged import attend_step, observe_queries, write_step
 from kvarn.integrations.vllm.pool import LayerPool, SlotTable, StepPlan, seq_fp_slots
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
@@ -319,7 +319,8 @@ class KVarNAttentionImpl(AttentionImpl):
         if self._pool is None or self._pool_key != key:
             lay = TileLayout(self.settings.preset, self.head_size, dtype)
             geo = PageGeometry(lay, self.num_kv_heads, kv_cache.shape[-1] - lay.c0)
-            self._pool, self._pool_key = LayerPool(kv_cache, geo), key
+            kept = self._pool.queries if self._pool is not None else None  # the layer's running query energy
+            self._pool, self._pool_key = LayerPool(kv_cache, geo, kept), key
         return self._pool
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -333,6 +334,7 @@ class KVarNAttentionImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         pool = self._layer_pool(kv_cache, query.dtype)
         name = getattr(layer, "layer_name", "?")
+        observe_queries(pool, query[:n])  # kvarn-auto: before this step's key tiles are quantized
         exact = write_step(pool, attn_metadata.plan, key[:n], value[:n], name)
         attend_step(pool, attn_metadata.plan, query[:n], output[:n], exact, self.scale, self.softcap, name)
         return output

@@ -67,9 +67,6 @@ def check_preset(preset: Preset) -> None:
         raise ValueError(f"kvarn: preset {preset.name!r} is a budget preset (key bits per layer chosen online per "
                          "request), which the vLLM backend does not implement yet: its pages hold one code width per "
                          "layer for all requests; use a kvarn-k*v*-g* preset")
-    if "auto" in (kq.config.rotate, vq.config.rotate):
-        raise ValueError(f"kvarn: preset {preset.name!r} chooses its rotation from running query statistics, which "
-                         "the vLLM backend does not keep yet; use a kvarn-k*v*-g* preset")
     policy = preset.policy
     if policy.value_window != "block" or any(policy.fp_layers) or policy.key_pre_rope:
         raise ValueError(f"kvarn: preset {preset.name!r} needs a sliding value window, full-precision layers or "

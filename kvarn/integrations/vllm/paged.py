@@ -64,6 +64,22 @@ def _pieces(plan: StepPlan, g: int):
             yield i, p, j, slice(t0 + lo - nc, t0 + hi - nc), hi
 
 
+def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
+    """query [T, Hq, D] (after RoPE, the step's queries as attention sees them) -> the layer's running query energy,
+    before `write_step` quantizes this step's completed key tiles (so a prompt's own queries count for its tiles, as
+    in the transformers cache: `LayerStore.observe_queries`). All requests of the step pooled: one running mean per
+    layer for the engine (module docstring). A no-op for quantizers that take no weight."""
+    e = pool.queries
+    if e is None or not query.shape[0]:
+        return
+    t, hq, d = query.shape
+    h = pool.geo.num_kv_heads
+    # one reduction: the Hq / H query heads of each KV head and the T positions pooled, float32 as QueryEnergy keeps
+    s = query.float().square().view(t, h, hq // h, d).sum((0, 2))[None]  # [1, H, D]
+    e.sum = s if e.sum is None else e.sum + s
+    e.count += hq // h * t
+
+
 def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
                layer: str) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
     """Store the step's key/value [T, H, D]; returns the exact rows (K, V [H, t, D]) of every block touched, keyed by
@@ -133,9 +149,13 @@ def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list
     n, h = k.shape[:2]
     ok = torch.ones(n, dtype=torch.bool)
     packs = []
-    for q, x in ((lay.key_q, k), (lay.value_q, v)):
+    # rotate="auto" keys: each tile's rotation chosen with its KV head's running query energy (one row per tile, in
+    # the flattened (block, head) order); values choose by plain squared error, as in the transformers cache
+    w = pool.queries.weight() if pool.queries is not None else None  # [1, H, D]
+    kw = None if w is None else w.expand(n, h, w.shape[-1]).reshape(n * h, -1)
+    for q, x, weight in ((lay.key_q, k, kw), (lay.value_q, v, None)):
         flat = x.flatten(0, 1)
-        packed, finite, scale_ok = q.encode_tiles(flat)  # non-finite tiles encoded as zeros
+        packed, finite, scale_ok = q.encode_tiles(flat, weight)  # non-finite tiles encoded as zeros
         ok &= fits_dtype(q, packed, flat, finite & scale_ok, x.dtype).view(n, h).all(1)
         packs.append(packed)
     bad = ~ok
