@@ -30,6 +30,25 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
        `StoredKV` view whose packed fields are gathered through the block table.
      Decode-like pieces follow `kvarn.attention.fused.take` (KVARN_KERNEL=auto: the kernel when it loads; torch;
      cpu: the kernel or an error naming why not), as the transformers cache does.
+
+kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or plain, that its encode chooses):
+  * query statistics: each layer keeps ONE running `QueryEnergy` (mean of q_d^2 per KV head, [1, H, D] float32 sums +
+    a count, on its `LayerPool`), for the whole engine: every request's queries of every step pooled, with the GQA
+    query heads of a KV head and the positions. `observe_queries` adds the step's queries (after RoPE, as attention
+    sees them; one reduction per layer) BEFORE `write_step` quantizes the step's completed key tiles, the
+    transformers cache's order (`LayerStore.observe_queries`: a prompt's own queries count for its tiles). Why not
+    per request, as the transformers cache keeps one mean per sequence: vLLM shares complete blocks between requests
+    through prefix caching, and a block is quantized once; a per-request mean would make a shared block's bytes
+    depend on which request happened to write it, and vLLM does not tell the backend when a request ends, so
+    per-request state could not be freed. The engine mean is the closest causal analogue (it pools exactly the
+    queries this layer has served so far). With tensor parallelism each rank keeps its own for its KV heads;
+  * store: key tiles are encoded with that mean as the policy's weight (one row per tile, by KV head; values by
+    plain squared error, as in the transformers cache), in the same single encode call for all completed blocks,
+    served by the fused C++ store kernel (`kvarn::tile_store`, both bases per tile, no Python per block);
+  * the per-tile `rotated` flag is a packed field of the page (`layout`), so vLLM's capacity report counts it, and
+    both read paths honour it: the kernel reads it through `PackedTiles.pool` as the transformers cache's fused
+    decode does (queries rotated for rotated key tiles, rotated value accumulators rotated back once), PyTorch
+    through `decode_tiles`.
 """
 
 from __future__ import annotations
