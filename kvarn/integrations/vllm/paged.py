@@ -41,7 +41,8 @@ kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or pla
     through prefix caching, and a block is quantized once; a per-request mean would make a shared block's bytes
     depend on which request happened to write it, and vLLM does not tell the backend when a request ends, so
     per-request state could not be freed. The engine mean is the closest causal analogue (it pools exactly the
-    queries this layer has served so far). With tensor parallelism each rank keeps its own for its KV heads;
+    queries this layer has served so far). With tensor parallelism each rank keeps its own for its KV heads. Tokens
+    with non-finite queries are left out (the mean outlives the request that sent them);
   * store: key tiles are encoded with that mean as the policy's weight (one row per tile, by KV head; values by
     plain squared error, as in the transformers cache), in the same single encode call for all completed blocks,
     served by the fused C++ store kernel (`kvarn::tile_store`, both bases per tile, no Python per block);
@@ -93,8 +94,18 @@ def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
         return
     t, hq, d = query.shape
     h = pool.geo.num_kv_heads
-    # one reduction: the Hq / H query heads of each KV head and the T positions pooled, float32 as QueryEnergy keeps
-    s = query.float().square().view(t, h, hq // h, d).sum((0, 2))[None]  # [1, H, D]
+
+    def energy(q: torch.Tensor) -> torch.Tensor:
+        # one reduction: the Hq / H query heads of each KV head and the positions pooled, float32 as QueryEnergy keeps
+        return q.float().square().view(q.shape[0], h, hq // h, d).sum((0, 2))[None]  # [1, H, D]
+
+    s = energy(query)
+    if not bool(torch.isfinite(s).all()):  # the mean is the engine's, for good: one request's non-finite queries
+        keep = torch.isfinite(query.float().square()).flatten(1).all(1)  # must not poison it (its tokens dropped)
+        t = int(keep.sum())
+        if not t:
+            return
+        s = energy(query[keep])
     e.sum = s if e.sum is None else e.sum + s
     e.count += hq // h * t
 

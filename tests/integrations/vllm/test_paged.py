@@ -563,3 +563,20 @@ def test_auto_flags_live_in_the_accounted_page_bytes(name: str) -> None:
         fields = pool.key_fields if f.kind == "keys" else pool.value_fields
         assert torch.equal(runs[:, :, f.offset], fields.rotated)
     assert not kv[[0, 2]].any() and not runs[[1, 3], :, lay.tile * lay.c0:].any()  # only the blocks' packed parts
+
+
+def test_auto_query_statistics_skip_non_finite_queries() -> None:
+    """The engine-wide mean outlives every request: tokens with a non-finite query (or one whose square overflows) are
+    left out of it, the others of the same step counted; a step with none finite adds nothing."""
+    eng = _auto_engine()
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(5, HQ, D, generator=gen)
+    bad = q.clone()
+    bad[1, 2, 7] = float("nan")
+    bad[3, 0, 0] = 3e30  # finite, but its square is not in float32
+    paged.observe_queries(eng.pool, bad)
+    paged.observe_queries(eng.pool, torch.full((2, HQ, D), float("inf")))
+    e = eng.pool.queries
+    assert e.count == 3 * HQ // H
+    keep = q[[0, 2, 4]]
+    torch.testing.assert_close(e.weight()[0], keep.square().view(3, H, HQ // H, D).sum((0, 2)) / e.count)
