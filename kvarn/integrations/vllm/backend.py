@@ -3,7 +3,8 @@
     KVarNAttentionBackend.customize_spec   a uint8 page of packed tiles + the fp pool share (`layout`), so vLLM sizes
                                            and reports its KV pool in kvarn's bytes
     KVarNMetadataBuilder.build             once per step: fp slots for every request (`pool.SlotTable`)
-    KVarNAttentionImpl.forward             per layer: store, then attend (`paged`)
+    KVarNAttentionImpl.forward             per layer: kvarn-auto's query statistics (one running mean per layer for
+                                           the whole engine, `paged.observe_queries`), store, then attend (`paged`)
 
 Sliding-window layers (Gemma 2/3-like hybrids) stay vLLM's: each keeps its FullAttentionSpec page in the model dtype
 and is served by vLLM's own CPU attention (`WindowImpl`, `KVarNMetadataBuilder.__new__` hands its group vLLM's
