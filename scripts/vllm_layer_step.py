@@ -5,7 +5,9 @@ rows of SmolLM2-135M's geometry (3 KV heads, 9 query heads, D = 64, bf16, G = 12
     PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile]
 
 Prints the CPU time (`time.process_time`, so a shared machine's load does not enter; 1 thread) per layer of each
-call and x 30 layers; --profile adds cProfile's top lines (wall time) of 10 layer-steps. Used for docs/VLLM.md.
+call and x 30 layers, and of the prompts' store (8 prompts of ~540 tokens: 32 completed blocks encoded in one call,
+kvarn-auto's query statistics updated first, as the backend's forward does); --profile adds cProfile's top lines
+(wall time) of 10 layer-steps. Used for docs/VLLM.md.
 """
 
 from __future__ import annotations
@@ -38,8 +40,13 @@ def main() -> None:
     starts = [sum(lens[:r]) for r in range(R)]
     plan = table.plan([(s, s + n) for s, n in zip(starts, lens)], [0] * R, lens,
                       [b[:-(-n // G)] for b, n in zip(blocks, lens)])
+    for q_ in (lay.key_q, lay.value_q):  # load the store kernel before timing
+        q_.encode_tiles(torch.randn(2, G, D), torch.ones(2, D) if q_.takes_weight else None)
+    t0 = time.process_time()
+    paged.observe_queries(pool, torch.randn(sum(lens), HQ, D).bfloat16())  # kvarn-auto: before the store
     paged.write_step(pool, plan, torch.randn(sum(lens), H, D).bfloat16(), torch.randn(sum(lens), H, D).bfloat16(),
                      "bench")  # the prompts: packed tiles, sinks and filling blocks
+    prefill = (time.process_time() - t0) * 1e3
 
     def step(n: int) -> tuple[float, float]:
         new = [x + 1 for x in lens]
@@ -50,6 +57,7 @@ def main() -> None:
         out = torch.zeros_like(q)
         t0 = time.process_time()
         for _ in range(n):
+            paged.observe_queries(pool, q)
             exact = paged.write_step(pool, plan, k, v, "bench")
         t1 = time.process_time()
         for _ in range(n):
@@ -59,7 +67,8 @@ def main() -> None:
     step(3)
     attend, write = step(30)
     print(f"{preset}: per layer write {write:.3f} ms, attend {attend:.3f} ms (CPU time); x{LAYERS} layers = "
-          f"{LAYERS * (write + attend):.1f} ms per step")
+          f"{LAYERS * (write + attend):.1f} ms per step; the prompts' store {prefill:.1f} ms per layer "
+          f"({LAYERS * prefill:.0f} ms x{LAYERS})")
     if "--profile" in sys.argv:
         prof = cProfile.Profile()
         prof.runcall(step, 10)

@@ -3,7 +3,8 @@
     KVarNAttentionBackend.customize_spec   a uint8 page of packed tiles + the fp pool share (`layout`), so vLLM sizes
                                            and reports its KV pool in kvarn's bytes
     KVarNMetadataBuilder.build             once per step: fp slots for every request (`pool.SlotTable`)
-    KVarNAttentionImpl.forward             per layer: store, then attend (`paged`)
+    KVarNAttentionImpl.forward             per layer: kvarn-auto's query statistics (one running mean per layer for
+                                           the whole engine, `paged.observe_queries`), store, then attend (`paged`)
 
 Sliding-window layers (Gemma 2/3-like hybrids) stay vLLM's: each keeps its FullAttentionSpec page in the model dtype
 and is served by vLLM's own CPU attention (`WindowImpl`, `KVarNMetadataBuilder.__new__` hands its group vLLM's
@@ -49,7 +50,7 @@ from kvarn.integrations.vllm.layout import (
     choose_pool,
     num_blocks_in,
 )
-from kvarn.integrations.vllm.paged import attend_step, write_step
+from kvarn.integrations.vllm.paged import attend_step, observe_queries, write_step
 from kvarn.integrations.vllm.pool import LayerPool, SlotTable, StepPlan, seq_fp_slots
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
@@ -319,7 +320,8 @@ class KVarNAttentionImpl(AttentionImpl):
         if self._pool is None or self._pool_key != key:
             lay = TileLayout(self.settings.preset, self.head_size, dtype)
             geo = PageGeometry(lay, self.num_kv_heads, kv_cache.shape[-1] - lay.c0)
-            self._pool, self._pool_key = LayerPool(kv_cache, geo), key
+            kept = self._pool.queries if self._pool is not None else None  # the layer's running query energy
+            self._pool, self._pool_key = LayerPool(kv_cache, geo, kept), key
         return self._pool
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -333,6 +335,7 @@ class KVarNAttentionImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         pool = self._layer_pool(kv_cache, query.dtype)
         name = getattr(layer, "layer_name", "?")
+        observe_queries(pool, query[:n])  # kvarn-auto: before this step's key tiles are quantized
         exact = write_step(pool, attn_metadata.plan, key[:n], value[:n], name)
         attend_step(pool, attn_metadata.plan, query[:n], output[:n], exact, self.scale, self.softcap, name)
         return output

@@ -1,11 +1,12 @@
 """The plugin's settings, read from vLLM's `additional_config["kvarn"]`, and the checks that refuse what it cannot do.
 
-    LLM(model, additional_config={"kvarn": {"preset": "kvarn-k4v2-g128"}})
+    LLM(model, additional_config={"kvarn": {"preset": "kvarn-auto-k2v2-g128"}})
     python -m vllm.entrypoints.openai.api_server --model M \
-        --additional-config '{"kvarn": {"preset": "kvarn-k4v2-g128"}}'
+        --additional-config '{"kvarn": {"preset": "kvarn-auto-k2v2-g128"}}'
 
 Keys of the "kvarn" mapping:
-    preset       a kvarn preset of the affine family with a fixed rotation (kvarn, rtn, hadamard, varn; k2v2/k4v2/k4v4;
+    preset       a kvarn preset of the affine family (kvarn-auto, the default kvarn-auto-k2v2-g128, with its rotation
+                 chosen per tile from running query statistics (`paged`); kvarn, rtn, hadamard, varn; k2v2/k4v2/k4v4;
                  g128/g64): one vLLM block = one tile of G tokens
     sink         tokens kept exact at the start of every sequence (default: the preset's, 128); a multiple of G
     fp_slots     full-precision blocks per layer for sinks and blocks being filled, carved from the KV budget
@@ -66,10 +67,7 @@ def check_preset(preset: Preset) -> None:
     if preset.key_high is not None:
         raise ValueError(f"kvarn: preset {preset.name!r} is a budget preset (key bits per layer chosen online per "
                          "request), which the vLLM backend does not implement yet: its pages hold one code width per "
-                         "layer for all requests; use a kvarn-k*v*-g* preset")
-    if "auto" in (kq.config.rotate, vq.config.rotate):
-        raise ValueError(f"kvarn: preset {preset.name!r} chooses its rotation from running query statistics, which "
-                         "the vLLM backend does not keep yet; use a kvarn-k*v*-g* preset")
+                         "layer for all requests; use a kvarn-auto-k*v*-g* or kvarn-k*v*-g* preset")
     policy = preset.policy
     if policy.value_window != "block" or any(policy.fp_layers) or policy.key_pre_rope:
         raise ValueError(f"kvarn: preset {preset.name!r} needs a sliding value window, full-precision layers or "
@@ -85,7 +83,7 @@ def parse(raw: dict) -> Settings:
         raise ValueError(f"kvarn: unknown option(s) {sorted(unknown)} in additional_config['kvarn']; "
                          f"known: {sorted(_KNOWN)}")
     if "preset" not in raw:
-        raise ValueError("kvarn: additional_config['kvarn'] needs a 'preset', e.g. 'kvarn-k4v2-g128'")
+        raise ValueError("kvarn: additional_config['kvarn'] needs a 'preset', e.g. 'kvarn-auto-k2v2-g128'")
     preset = get_preset(raw["preset"])
     check_preset(preset)
     sink = raw.get("sink", preset.policy.sink)

@@ -3,7 +3,9 @@
 vLLM views each layer's cache as uint8 [num_blocks, H, N = G, C] (layout LBHNC): per block and KV head a run of G*C
 bytes. kvarn splits that run in two:
 
-    [0, G*c0)          the packed tile of this head: key fields then value fields (`TileLayout.fields`), zero padded
+    [0, G*c0)          the packed tile of this head: key fields then value fields (`TileLayout.fields`), zero padded;
+                       under rotate="auto" (kvarn-auto presets) each tile's `rotated` flag (one uint8, the basis it was
+                       stored in) is one of those fields, so the page bytes vLLM accounts for hold it
     [G*c0, G*C)        a share of the full-precision pool, e = C - c0 bytes per token slot
 
 The shares of k consecutive blocks form one full-precision block ("fp slot") of this head, K and V [2, G, D] in the
@@ -79,8 +81,9 @@ class TileLayout:
         block-table addressing of the shared kernel design."""
         out: dict[str, dict[str, torch.Tensor]] = {"keys": {}, "values": {}}
         for f in self.fields:
-            raw = runs[:, :, f.offset:f.offset + f.nbytes]
-            out[f.kind][f.name] = raw.view(f.dtype).unflatten(-1, f.shape)
+            raw = runs[:, :, f.offset:f.offset + f.nbytes].view(f.dtype)
+            # a per-tile scalar (rotate="auto"'s `rotated` flag, shape ()) is one element: [num_blocks, H]
+            out[f.kind][f.name] = raw.unflatten(-1, f.shape) if f.shape else raw.squeeze(-1)
         return tuple(AffineTiles.template_of(self.formats[k]).with_tensors(out[k]) for k in ("keys", "values"))
 
 

@@ -30,6 +30,26 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
        `StoredKV` view whose packed fields are gathered through the block table.
      Decode-like pieces follow `kvarn.attention.fused.take` (KVARN_KERNEL=auto: the kernel when it loads; torch;
      cpu: the kernel or an error naming why not), as the transformers cache does.
+
+kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or plain, that its encode chooses):
+  * query statistics: each layer keeps ONE running `QueryEnergy` (mean of q_d^2 per KV head, [1, H, D] float32 sums +
+    a count, on its `LayerPool`), for the whole engine: every request's queries of every step pooled, with the GQA
+    query heads of a KV head and the positions. `observe_queries` adds the step's queries (after RoPE, as attention
+    sees them; one reduction per layer) BEFORE `write_step` quantizes the step's completed key tiles, the
+    transformers cache's order (`LayerStore.observe_queries`: a prompt's own queries count for its tiles). Why not
+    per request, as the transformers cache keeps one mean per sequence: vLLM shares complete blocks between requests
+    through prefix caching, and a block is quantized once; a per-request mean would make a shared block's bytes
+    depend on which request happened to write it, and vLLM does not tell the backend when a request ends, so
+    per-request state could not be freed. The engine mean is the closest causal analogue (it pools exactly the
+    queries this layer has served so far). With tensor parallelism each rank keeps its own for its KV heads. Tokens
+    with non-finite queries are left out (the mean outlives the request that sent them);
+  * store: key tiles are encoded with that mean as the policy's weight (one row per tile, by KV head; values by
+    plain squared error, as in the transformers cache), in the same single encode call for all completed blocks,
+    served by the fused C++ store kernel (`kvarn::tile_store`, both bases per tile, no Python per block);
+  * the per-tile `rotated` flag is a packed field of the page (`layout`), so vLLM's capacity report counts it, and
+    both read paths honour it: the kernel reads it through `PackedTiles.pool` as the transformers cache's fused
+    decode does (queries rotated for rotated key tiles, rotated value accumulators rotated back once), PyTorch
+    through `decode_tiles`.
 """
 
 from __future__ import annotations
@@ -62,6 +82,32 @@ def _pieces(plan: StepPlan, g: int):
         for j in range(nc // g, -(-p.length // g)):
             lo, hi = max(nc, j * g), min(p.length, (j + 1) * g)
             yield i, p, j, slice(t0 + lo - nc, t0 + hi - nc), hi
+
+
+def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
+    """query [T, Hq, D] (after RoPE, the step's queries as attention sees them) -> the layer's running query energy,
+    before `write_step` quantizes this step's completed key tiles (so a prompt's own queries count for its tiles, as
+    in the transformers cache: `LayerStore.observe_queries`). All requests of the step pooled: one running mean per
+    layer for the engine (module docstring). A no-op for quantizers that take no weight."""
+    e = pool.queries
+    if e is None or not query.shape[0]:
+        return
+    t, hq, d = query.shape
+    h = pool.geo.num_kv_heads
+
+    def energy(q: torch.Tensor) -> torch.Tensor:
+        # one reduction: the Hq / H query heads of each KV head and the positions pooled, float32 as QueryEnergy keeps
+        return q.float().square().view(q.shape[0], h, hq // h, d).sum((0, 2))[None]  # [1, H, D]
+
+    s = energy(query)
+    if not bool(torch.isfinite(s).all()):  # the mean is the engine's, for good: one request's non-finite queries
+        keep = torch.isfinite(query.float().square()).flatten(1).all(1)  # must not poison it (its tokens dropped)
+        t = int(keep.sum())
+        if not t:
+            return
+        s = energy(query[keep])
+    e.sum = s if e.sum is None else e.sum + s
+    e.count += hq // h * t
 
 
 def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
@@ -133,9 +179,13 @@ def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list
     n, h = k.shape[:2]
     ok = torch.ones(n, dtype=torch.bool)
     packs = []
-    for q, x in ((lay.key_q, k), (lay.value_q, v)):
+    # rotate="auto" keys: each tile's rotation chosen with its KV head's running query energy (one row per tile, in
+    # the flattened (block, head) order); values choose by plain squared error, as in the transformers cache
+    w = pool.queries.weight() if pool.queries is not None else None  # [1, H, D]
+    kw = None if w is None else w.expand(n, h, w.shape[-1]).reshape(n * h, -1)
+    for q, x, weight in ((lay.key_q, k, kw), (lay.value_q, v, None)):
         flat = x.flatten(0, 1)
-        packed, finite, scale_ok = q.encode_tiles(flat)  # non-finite tiles encoded as zeros
+        packed, finite, scale_ok = q.encode_tiles(flat, weight)  # non-finite tiles encoded as zeros
         ok &= fits_dtype(q, packed, flat, finite & scale_ok, x.dtype).view(n, h).all(1)
         packs.append(packed)
     bad = ~ok

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvarn.integrations.vllm.layout import PageGeometry
+from kvarn.quant.policy import QueryEnergy
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
 
@@ -183,7 +184,7 @@ class SlotTable:
 class LayerPool:
     """One layer's page bytes: packed runs and fp slots, over vLLM's uint8 view [num_blocks, H, G, C]."""
 
-    def __init__(self, kv_cache: torch.Tensor, geo: PageGeometry) -> None:
+    def __init__(self, kv_cache: torch.Tensor, geo: PageGeometry, queries: QueryEnergy | None = None) -> None:
         lay = geo.layout
         nb, h, g, c = kv_cache.shape
         if kv_cache.dtype != torch.uint8 or (h, g, c) != (geo.num_kv_heads, lay.tile, geo.c):
@@ -206,6 +207,9 @@ class LayerPool:
         self.rows_per_block = share_bytes // row_bytes if share_bytes % row_bytes == 0 else 0
         self.rows = (self.share.view(lay.fp_dtype).unflatten(-1, (self.rows_per_block, lay.head_dim))
                      if self.rows_per_block else None)
+        # rotate="auto" keys: the layer's running query energy, [1, H, D] float32 sums + count, for the whole engine
+        # (all requests pooled; `paged.observe_queries`); kept across pools of the same layer when given
+        self.queries = (queries if queries is not None else QueryEnergy()) if lay.key_q.takes_weight else None
 
     def slot_rows(self, slots: torch.Tensor, kind: int | torch.Tensor,
                   row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,8 @@ Every vLLM engine start costs about a minute on 2 cores, so each configuration r
     stock      VLLM_PLUGINS="" (no plugin loaded at all): greedy tokens, KV capacity
     disabled   the plugin installed and loaded, not enabled: greedy tokens, KV capacity
     k2v2       additional_config={"kvarn": {"preset": "kvarn-k2v2-g128"}}: KV capacity (one short request)
+    auto       the default preset kvarn-auto-k2v2-g128 (`AUTO`), the same job as stock: greedy tokens, KV capacity,
+               generate time (test_engine_auto.py)
     (k4v2 runs as the OpenAI server, test_engine_server.py; the TP runs on a tiny model, test_engine_tp.py)
 
 Figures go to out/vllm/engine.json (`record`), with the command, machine and versions.
@@ -27,6 +29,7 @@ from pathlib import Path
 import pytest
 
 PRESET = "kvarn-k4v2-g128"
+AUTO = "kvarn-auto-k2v2-g128"  # kvarn's default preset
 MAX_NEW = 32
 LENGTHS = (150, 300, 400, 520)  # prompt tokens: the first stays within sink + one block, the others cross blocks
 KV_GIB = 1
@@ -128,6 +131,8 @@ def engine(name: str) -> Run:
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()}, {"VLLM_PLUGINS": ""})
         elif name == "disabled":
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()})
+        elif name == "auto":
+            _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs(kvarn(AUTO))})
         elif name == "k2v2":
             _RUNS[name] = run_llm(name, {"prompts": job["prompts"][:1], "max_tokens": 4,
                                          "llm": llm_kwargs(kvarn("kvarn-k2v2-g128"))})

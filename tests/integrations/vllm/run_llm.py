@@ -3,7 +3,7 @@
     python tests/integrations/vllm/run_llm.py JOB.json OUT.json
 
 JOB: {"llm": {LLM kwargs}, "prompts": [[token ids]], "max_tokens": n}
-OUT: {"tokens": greedy continuations}
+OUT: {"tokens": greedy continuations, "generate_seconds": wall time of the generate call (engine start excluded)}
 
 Its own process because vLLM starts its engine with "spawn", which re-imports __main__, and so that each
 configuration (plugin on or off) resolves its attention backend afresh. vLLM logs to stdout/stderr, where the tests
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 
 def main() -> None:
@@ -22,9 +23,10 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
     llm = LLM(**job["llm"])
+    t = time.perf_counter()
     results = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]],
                            SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]), use_tqdm=False)
-    out = {"tokens": [list(r.outputs[0].token_ids) for r in results]}
+    out = {"tokens": [list(r.outputs[0].token_ids) for r in results], "generate_seconds": time.perf_counter() - t}
     with open(sys.argv[2], "w") as f:
         json.dump(out, f)
 

@@ -45,8 +45,9 @@ def read_path(request, monkeypatch):
 class Engine:
     """Blocks handed out like vLLM's pool (free list, shared prefix blocks), one layer, float32."""
 
-    def __init__(self, preset_bits=(4, 2), sink_blocks: int = 1, num_blocks: int = 64, e_index: int = 5) -> None:
-        preset = affine_preset("kvarn", *preset_bits, G)
+    def __init__(self, preset_bits=(4, 2), sink_blocks: int = 1, num_blocks: int = 64, e_index: int = 5,
+                 family: str = "kvarn") -> None:
+        preset = affine_preset(family, *preset_bits, G)
         self.lay = TileLayout(preset, D, torch.float32)
         geo = PageGeometry(self.lay, H, self.lay.share_choices()[e_index])
         self.kv = torch.zeros(num_blocks, H, G, geo.c, dtype=torch.uint8)
@@ -58,6 +59,12 @@ class Engine:
         self.hist: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # K, V, Q [T, H(q), D] so far
         self.poison: dict[str, list[tuple[int, str, int, int, float]]] = {}  # rid -> (position, "k"/"v", head, ch, x)
         self.exact: dict[str, set[int]] = {}  # rid -> logical blocks the oracle reads exact (poisoned ones)
+        # kvarn-auto: the oracle's running q^2 per KV head (float64, every request pooled) and, per stored key tile, the
+        # mean up to and including the step that completed it: the weight the oracle encodes that tile with
+        self.q_scale: torch.Tensor | None = None  # [HQ, D] multiplies the stand-in's queries (channel energies)
+        self.energy, self.energy_count = torch.zeros(H, D, dtype=torch.float64), 0
+        self.tile_weight: dict[tuple[str, int], torch.Tensor] = {}
+        self.stale_weight: dict[tuple[str, int], torch.Tensor | None] = {}  # the mean before that step (for a check)
 
     def add(self, rid: str, shared_from: tuple[str, int] | None = None) -> None:
         self.blocks[rid] = []
@@ -65,6 +72,8 @@ class Engine:
         if shared_from is not None:  # a prefix-cache hit: the first n complete blocks of another request
             src, n = shared_from
             self.blocks[rid] = list(self.blocks[src][:n])
+            for seen in (self.tile_weight, self.stale_weight):  # the shared tiles as their writer stored them
+                seen.update({(rid, j): seen[(src, j)] for j in range(n) if (src, j) in seen})
             k, v, q = self.hist[src]
             empty = (k[:n * G], v[:n * G], q[:n * G])
         self.hist[rid] = empty
@@ -88,6 +97,8 @@ class Engine:
                     (k if kind == "k" else v)[pos - nc, h, c] = x
                     self.exact.setdefault(rid, set()).add(pos // G)
             q = torch.randn(t, HQ, D, generator=gen)
+            if self.q_scale is not None:
+                q = q * self.q_scale
             self.hist[rid] = (torch.cat([k_old, k]), torch.cat([v_old, v]), torch.cat([q_old, q]))
             rows.append((at, at + t))
             at += t
@@ -99,7 +110,15 @@ class Engine:
             queries.append(q)
         plan = self.table.plan(rows, computed, lengths, block_rows)
         key, value, query = torch.cat(keys), torch.cat(values), torch.cat(queries)
+        stale = (self.energy / self.energy_count).float() if self.energy_count else None
+        self.energy += query.double().square().view(-1, H, HQ // H, D).sum((0, 2))
+        self.energy_count += query.shape[0] * (HQ // H)
+        for rid, nc, n in zip(work, computed, lengths):  # key tiles this step completes: weighed with this step's mean
+            for j in range(nc // G, n // G):
+                self.tile_weight[(rid, j)] = (self.energy / self.energy_count).float()
+                self.stale_weight[(rid, j)] = stale
         out = torch.zeros_like(query)
+        paged.observe_queries(self.pool, query)  # as the backend's forward: before the step's tiles are stored
         exact = write_step(self.pool, plan, key, value, "test")
         attend_step(self.pool, plan, query, out, exact, D ** -0.5, None, "test")
         return {rid: out[r0:r1] for rid, (r0, r1) in zip(work, rows)}
@@ -112,7 +131,8 @@ class Engine:
         for j in set(range(self.sink_blocks, t // G)) - self.exact.get(rid, set()):  # complete blocks as stored
             sl = slice(j * G, (j + 1) * G)
             for full, dq, quant in ((k, kd, self.lay.key_q), (v, vd, self.lay.value_q)):
-                dq[sl] = quant.decode(quant.encode(full[sl].transpose(0, 1).float())).double().transpose(0, 1)
+                w = self.tile_weight[(rid, j)] if quant.takes_weight and quant is self.lay.key_q else None
+                dq[sl] = quant.decode(quant.encode(full[sl].transpose(0, 1).float(), w)).double().transpose(0, 1)
         out = torch.zeros(t - first, HQ, D, dtype=torch.float64)
         for p in range(first, t):
             j = p // G
@@ -439,12 +459,124 @@ def test_batched_decode_equals_per_request_kernel_calls(sink_blocks: int, monkey
             torch.testing.assert_close(ob[rid], orq[rid], rtol=1e-5, atol=1e-5, msg=f"request {rid}")
 
 
-@pytest.mark.parametrize(("name", "why"), [("kvarn-b2.5", "budget preset"), ("kvarn-auto-k2v2-g128", "rotation"),
-                                           ("kivi-k2v2-g128", "baseline")])
+@pytest.mark.parametrize(("name", "why"), [("kvarn-b2.5", "budget preset"), ("kvarn-b3.0", "budget preset"),
+                                           ("kivi-k2v2-g128", "baseline"), ("fp16", "does not quantize")])
 def test_presets_the_backend_does_not_run_are_refused_by_name(name: str, why: str) -> None:
     from kvarn.integrations.vllm.config import check_preset
     from kvarn.presets import get_preset
 
     with pytest.raises(ValueError, match=f"{name}.*{why}"):
         check_preset(get_preset(name))
-    check_preset(get_preset("kvarn-k2v2-g128"))  # and the family it runs passes
+    for ok in ("kvarn-k2v2-g128", "kvarn-auto-k2v2-g128", "kvarn-auto-k4v2-g128"):  # the family it runs passes
+        check_preset(get_preset(ok))
+
+
+def _auto_engine() -> Engine:
+    """kvarn-auto-k2v2 at the stand-in's size; queries with uneven channel energies (the heavy key channel 3 of
+    `Engine.step` is set per step by the test), so the query-weighted choice differs from plain squared error."""
+    eng = Engine(preset_bits=(2, 2), sink_blocks=1, family="kvarn-auto")
+    scale = torch.ones(HQ, D)
+    scale[:, :3] = 0.3
+    eng.q_scale = scale
+    return eng
+
+
+def _flags(eng: Engine, rid: str) -> tuple[list[int], torch.Tensor]:
+    """Stored key tiles of a request past the sink: (logical blocks, rotated flags [n, H] read from the pages)."""
+    t = eng.hist[rid][0].shape[0]
+    js = list(range(eng.sink_blocks, t // G))
+    return js, eng.pool.key_fields.rotated[torch.tensor([eng.blocks[rid][j] for j in js], dtype=torch.long)]
+
+
+def test_auto_mixed_batch_matches_oracle_with_running_query_energy(read_path, monkeypatch) -> None:
+    """kvarn-auto-k2v2 over the mixed steps (decode rows, a completing block, chunked prefill, a prefix-cache hit):
+    each key tile's rotation is chosen with the engine's running mean of q^2 per KV head, every request's queries of
+    every step up to and including the one that completes the tile (`Engine.tile_weight`), and both read paths honour
+    the per-tile flag stored in the page: the flags equal the oracle's encode's and outputs match the float64 oracle
+    (1e-4). The queries' reading of channel 3 alternates between steps, so the choice with this mean differs on some
+    tiles from the unweighted one and from the one with the mean before the tile's step (asserted): a backend that
+    dropped the weight, or observed the step's queries after storing its tiles, would fail here."""
+    eng = _auto_engine()
+    steps = iter([1.0, 0.05, 1.0, 0.05, 1.0, 0.05])
+
+    def step(work: dict[str, int]) -> None:
+        eng.q_scale[:, 3] = next(steps)
+        out = eng.step(work, gen)
+        _check(eng, out)
+
+    gen = torch.Generator().manual_seed(13)
+    for rid in "acde":
+        eng.add(rid)
+    step({"a": 40, "c": 15})
+    eng.add("b", shared_from=("a", 2))
+    step({"a": 1, "c": 1, "b": 5, "d": 20, "e": 1})
+    step({"a": 1, "c": 1, "b": 1, "d": 7, "e": 1})
+    step({"a": 30, "b": 12, "c": 1, "d": 1, "e": 1})  # a and b complete blocks mid-chunk
+    for _ in range(2):
+        step({"a": 1, "b": 1, "c": 1, "d": 1, "e": 1})
+    unweighted = stale = 0
+    for rid in "abcd":
+        js, flags = _flags(eng, rid)
+        k = eng.hist[rid][0]
+        for j, stored in zip(js, flags):
+            x = k[j * G:(j + 1) * G].transpose(0, 1)
+            want = eng.lay.key_q.encode(x, eng.tile_weight[(rid, j)]).rotated
+            assert torch.equal(stored, want), (rid, j, stored, want)
+            unweighted += int((eng.lay.key_q.encode(x).rotated != want).sum())
+            stale += int((eng.lay.key_q.encode(x, eng.stale_weight[(rid, j)]).rotated != want).sum())
+    assert unweighted and stale, ("the test would not see the weight dropped or stale", unweighted, stale)
+    assert eng.pool.queries.count == eng.energy_count  # every query of every step, pooled per KV head
+    torch.testing.assert_close(eng.pool.queries.weight()[0].double(), eng.energy / eng.energy_count, rtol=1e-5,
+                               atol=0)
+
+
+@pytest.mark.parametrize("name", ["kvarn-auto-k2v2-g128", "kvarn-auto-k4v2-g128", "kvarn-k2v2-g128"])
+def test_auto_flags_live_in_the_accounted_page_bytes(name: str) -> None:
+    """The per-tile rotation flags (keys and values) are packed fields of the head's run, inside the G*c0 bytes of
+    packed tile that the page (what vLLM sizes and reports: H*G*C per block) holds; the packed part equals the
+    quantizers' bits_per_element (flags included) up to field alignment; writing the fields of one block touches only
+    its bytes."""
+    from kvarn.presets import get_preset
+
+    d, h = 64, 3
+    lay = TileLayout(get_preset(name), d, torch.bfloat16)
+    kq, vq = lay.key_q, lay.value_q
+    stored = sum(f.nbytes for f in lay.fields)  # bits_per_element counts every field, flags included
+    assert stored * 8 == (kq.bits_per_element(d) + vq.bits_per_element(d)) * lay.tile * d
+    assert stored <= lay.packed_bytes < stored + len(lay.fields)  # plus alignment of each field to its itemsize
+    flags = [f for f in lay.fields if f.name == "rotated"]
+    assert len(flags) == (2 if "auto" in name else 0)
+    assert all(f.offset + f.nbytes <= lay.packed_bytes <= lay.tile * lay.c0 for f in lay.fields)
+    geo = PageGeometry(lay, h, lay.share_choices()[-1])
+    assert geo.page_bytes == h * lay.tile * (lay.c0 + geo.e)
+    kv = torch.zeros(4, h, lay.tile, geo.c, dtype=torch.uint8)
+    pool = LayerPool(kv, geo)
+    x = torch.randn(2, h, lay.tile, d)
+    x[:, :, :, 0] *= 30
+    bad = paged._store_tiles(pool, x, x.clone(), [1, 3])
+    assert not bad.any()
+    if flags:
+        ref = kq.encode(x.flatten(0, 1)).rotated.view(2, h)  # no queries seen: unweighted
+        assert torch.equal(pool.key_fields.rotated[torch.tensor([1, 3])], ref)
+    runs = kv.flatten(2)  # [num_blocks, H, G*C]: per head, the packed tile then its fp pool share
+    for f in flags:  # each flag byte is the one at its offset in the head's run
+        fields = pool.key_fields if f.kind == "keys" else pool.value_fields
+        assert torch.equal(runs[:, :, f.offset], fields.rotated)
+    assert not kv[[0, 2]].any() and not runs[[1, 3], :, lay.tile * lay.c0:].any()  # only the blocks' packed parts
+
+
+def test_auto_query_statistics_skip_non_finite_queries() -> None:
+    """The engine-wide mean outlives every request: tokens with a non-finite query (or one whose square overflows) are
+    left out of it, the others of the same step counted; a step with none finite adds nothing."""
+    eng = _auto_engine()
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(5, HQ, D, generator=gen)
+    bad = q.clone()
+    bad[1, 2, 7] = float("nan")
+    bad[3, 0, 0] = 3e30  # finite, but its square is not in float32
+    paged.observe_queries(eng.pool, bad)
+    paged.observe_queries(eng.pool, torch.full((2, HQ, D), float("inf")))
+    e = eng.pool.queries
+    assert e.count == 3 * HQ // H
+    keep = q[[0, 2, 4]]
+    torch.testing.assert_close(e.weight()[0], keep.square().view(3, H, HQ // H, D).sum((0, 2)) / e.count)
