@@ -92,22 +92,13 @@ def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
     e = pool.queries
     if e is None or not query.shape[0]:
         return
-    t, hq, d = query.shape
-    h = pool.geo.num_kv_heads
-
-    def energy(q: torch.Tensor) -> torch.Tensor:
-        # one reduction: the Hq / H query heads of each KV head and the positions pooled, float32 as QueryEnergy keeps
-        return q.float().square().view(q.shape[0], h, hq // h, d).sum((0, 2))[None]  # [1, H, D]
-
-    s = energy(query)
-    if not bool(torch.isfinite(s).all()):  # the mean is the engine's, for good: one request's non-finite queries
-        keep = torch.isfinite(query.float().square()).flatten(1).all(1)  # must not poison it (its tokens dropped)
-        t = int(keep.sum())
-        if not t:
+    # the mean is the engine's, for good: one request's non-finite queries (or squares) must not poison it
+    keep = torch.isfinite(query.float().square()).flatten(1).all(1)
+    if not bool(keep.all()):  # those tokens are left out
+        query = query[keep]
+        if not query.shape[0]:
             return
-        s = energy(query[keep])
-    e.sum = s if e.sum is None else e.sum + s
-    e.count += hq // h * t
+    e.update(query.transpose(0, 1).unsqueeze(0), pool.geo.num_kv_heads)  # [1, Hq, T, D]: heads and positions pooled
 
 
 def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
