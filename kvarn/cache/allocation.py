@@ -17,7 +17,8 @@ its queries have been observed, the layer scores what the high quantizer would r
 docs/TASKS.md ("Budget presets") measures both: "output" kept the needles at 2.5 bits on held-out samples where
 "logit" did not. Tiles wait exact in the tail until every quantized layer has scored (one forward over the prompt,
 or the chunk after the sink under chunked prefill); then the `count` layers with the largest gains (ties: the lower
-layer) take the high quantizer for good, the rest the low one. Nothing is stored twice: the scores are computed on
+layer) take the high quantizer for good, the next `mid_count` a mid one (3-bit keys: the budget that rounding the
+high layers down to whole layers leaves), the rest the low one. Nothing is stored twice: the scores are computed on
 trial encodings.
 """
 
@@ -90,24 +91,30 @@ OUTPUT_ROWS = 128  # newest queries the "output" rule scores with
 class KeyAllocation:
     """Which of a cache's quantized layers store keys with `high` (shared by the layers of one cache).
 
-    layers    the quantized layers that report (their indices)
-    count     how many of them get `high`
-    rule      "logit": `promotion_gain` (query-energy-weighted key error); "output": `output_gain` (the attention
-              output error on the newest queries; layers whose attention observes no query score by "logit")
+    layers     the quantized layers that report (their indices)
+    count      how many of them get `high`
+    rule       "logit": `promotion_gain` (query-energy-weighted key error); "output": `output_gain` (the attention
+               output error on the newest queries; layers whose attention observes no query score by "logit")
+    mid        a quantizer between low and high, and mid_count: how many layers get it, the next ones by the same
+               ranking (the budget that rounding the `high` layers down leaves; `Preset.mid_layers`)
     """
 
     def __init__(self, layers: Sequence[int], count: int, low: TileQuantizer, high: TileQuantizer,
-                 rule: str = "output") -> None:
+                 rule: str = "output", mid: TileQuantizer | None = None, mid_count: int = 0) -> None:
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.rule = rule
-        if not 0 <= count <= len(layers):
-            raise ValueError(f"cannot promote {count} of {len(layers)} layers")
-        if low.tile != high.tile:
-            raise ValueError(f"the low and high key quantizers must share a tile ({low.tile} vs {high.tile})")
+        if not 0 <= count <= len(layers) or not 0 <= mid_count <= len(layers) - count:
+            raise ValueError(f"cannot promote {count} + {mid_count} of {len(layers)} layers")
+        if mid_count and mid is None:
+            raise ValueError("mid_count needs the mid quantizer")
+        if any(q.tile != low.tile for q in (high, mid) if q is not None):
+            raise ValueError(f"the key quantizers must share a tile ({low.tile} vs {high.tile})")
         self.layers, self.count, self.low, self.high = tuple(layers), count, low, high
+        self.mid, self.mid_count = mid, mid_count
         self.scores: dict[int, float] = {}
         self.promoted: frozenset[int] | None = None  # None until decided
+        self.middle: frozenset[int] = frozenset()  # the layers at `mid`
 
     @property
     def decided(self) -> bool:
@@ -120,28 +127,35 @@ class KeyAllocation:
         self.scores.setdefault(layer, score)
         if self.promoted is None and len(self.scores) == len(self.layers):
             ranked = sorted(self.layers, key=lambda i: (-self.scores[i], i))
+            self.middle = frozenset(ranked[self.count:self.count + self.mid_count])
             self.promoted = frozenset(ranked[:self.count])
 
-    def decide(self, promoted: Sequence[int]) -> None:
+    def decide(self, promoted: Sequence[int], middle: Sequence[int] = ()) -> None:
         """Set the decision (a loaded cache restores its saved one)."""
-        bad = [i for i in promoted if i not in self.layers]
-        if bad or len(set(promoted)) != self.count:
-            raise ValueError(f"an allocation promotes {self.count} distinct layers of {self.layers}, got "
-                             f"{sorted(promoted)}")
+        chosen = [*promoted, *middle]
+        if (any(i not in self.layers for i in chosen) or len(set(chosen)) != len(chosen)
+                or len(promoted) != self.count or len(middle) != self.mid_count):
+            raise ValueError(f"an allocation promotes {self.count} + {self.mid_count} distinct layers of "
+                             f"{self.layers}, got {sorted(promoted)} + {sorted(middle)}")
+        self.middle = frozenset(middle)
         self.promoted = frozenset(promoted)
 
     def quantizer(self, layer: int) -> TileQuantizer:
         if self.promoted is None:
             raise RuntimeError("the key allocation is not decided yet")
-        return self.high if layer in self.promoted else self.low
+        return self.high if layer in self.promoted else self.mid if layer in self.middle else self.low
 
     def clear(self) -> None:
         self.scores.clear()
-        self.promoted = None
+        self.promoted, self.middle = None, frozenset()
 
     def report_dict(self) -> Mapping[str, Any]:
-        """JSON-plain: the layers, count, the decision (None: pending) and each layer's score."""
-        return {"layers": list(self.layers), "count": self.count,
-                "promoted": None if self.promoted is None else sorted(self.promoted),
-                "scores": {str(i): s for i, s in sorted(self.scores.items())},
-                "low_bits": self.low.describe().get("bits"), "high_bits": self.high.describe().get("bits")}
+        """JSON-plain: the layers, counts, the decision (None: pending) and each layer's score."""
+        out = {"layers": list(self.layers), "count": self.count,
+               "promoted": None if self.promoted is None else sorted(self.promoted),
+               "scores": {str(i): s for i, s in sorted(self.scores.items())},
+               "low_bits": self.low.describe().get("bits"), "high_bits": self.high.describe().get("bits")}
+        if self.mid is not None:  # records of allocations without a mid width stay as they were
+            out.update(mid_count=self.mid_count, middle=None if self.promoted is None else sorted(self.middle),
+                       mid_bits=self.mid.describe().get("bits"))
+        return out

@@ -241,7 +241,7 @@ def load_cache(path: str | PathLike, config, preset: Preset | str | None = None,
             for layer_idx, score in saved_alloc["scores"].items():
                 alloc.scores[int(layer_idx)] = float(score)
             if saved_alloc["promoted"] is not None:
-                alloc.decide(saved_alloc["promoted"])
+                alloc.decide(saved_alloc["promoted"], saved_alloc.get("middle") or ())
         except (KeyError, TypeError, ValueError) as e:
             raise CacheFileError(f"{path}: the saved key allocation {saved_alloc} does not fit this cache: {e}") from e
     for i, (layer, info) in enumerate(zip(cache.layers, header["layers"])):

@@ -65,26 +65,31 @@ BUDGET_HEAD_DIM = 128  # budgets are named at head_dim 128; smaller heads pay mo
 
 
 def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str | None = None,
-                  high: int = 4) -> Preset:
+                  high: int = 4, mid: int | None = 3) -> Preset:
     """`kvarn-b{bits}`: kvarn-auto k2v2 with the keys of a share of the layers at `high` (3 or 4) bits, the share the
     largest that keeps (k_low + share (k_high - k_low) + v) / 2 <= bits at head_dim 128 (stored bytes, scales
-    included)."""
-    if high not in (3, 4):
-        raise ValueError(f"budget presets promote keys to 3 or 4 bits, not {high}")
+    included); what rounding that share down to whole layers leaves buys layers at `mid` bits (None: unspent)."""
+    if high not in (3, 4) or (mid is not None and not 2 < mid < high):
+        raise ValueError(f"budget presets promote keys to 3 or 4 bits, spending the rest on fewer bits; got high "
+                         f"{high}, mid {mid}")
     low, top = affine_preset("kvarn-auto", 2, 2, tile), affine_preset("kvarn-auto", high, 2, tile)
     d = BUDGET_HEAD_DIM
     k_lo, v = (q.bits_per_element(d) for q in low.quantizers(d))
     k_hi = top.quantizers(d)[0].bits_per_element(d)
     share = min(max((2 * bits - k_lo - v) / (k_hi - k_lo), 0.0), 1.0)
-    desc = (f"kvarn-auto k2v2 with {high}-bit keys in the layers that lose most at 2 bits, chosen online per request "
-            f"from each layer's first tile (rule {rule!r}, kvarn.cache.allocation): <= {bits} bits/element at head_dim "
-            f"{d}")
+    rest = "" if mid is None else f", the key bits left by whole layers on {mid}-bit keys in the next layers"
+    desc = (f"kvarn-auto k2v2 with {high}-bit keys in the layers that lose most at 2 bits{rest}, chosen online per "
+            f"request from each layer's first tile (rule {rule!r}, kvarn.cache.allocation): <= {bits} bits/element "
+            f"at head_dim {d}")
     params = {**low.params, "budget": bits, "budget_head_dim": d, "rule": rule}
-    if high != 4:  # the record of the registered presets (4-bit promotions) stays as it was
+    if high != 4:
         params["high_bits"] = high
+    if mid is not None:
+        params["mid_bits"] = mid
     return dataclasses.replace(low, name=name or f"kvarn-b{bits}", description=desc, family="kvarn-budget",
                                key_high=top.key, promote=share, k_bits=round(2 + (high - 2) * share, 4),
-                               params=params)
+                               key_mid=None if mid is None else affine_preset("kvarn-auto", mid, 2, tile).key,
+                               params=params, version=2 if mid is not None else 1)
 
 
 def _entries() -> tuple[Entry, ...]:

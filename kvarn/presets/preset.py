@@ -19,7 +19,8 @@ from kvarn.quant.cache_policy import CachePolicy, ValueWindow
 QuantizerFactory = Callable[[int], TileQuantizer]  # head_dim -> quantizer
 POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(CachePolicy)) - {"version"}
 # the record's fields that make the method; description and notes document it and are not compared
-CHECKED = ("version", "family", "k_bits", "v_bits", "key", "value", "key_high", "promote", "params", "policy")
+CHECKED = ("version", "family", "k_bits", "v_bits", "key", "value", "key_high", "key_mid", "promote", "params",
+           "policy")
 
 
 def _plain(x: object) -> Any:
@@ -34,6 +35,9 @@ class Preset:
     key, value    builders head_dim -> `TileQuantizer` (None for both: no quantization)
     key_high      budget presets: the key quantizer of the layers promoted online (`kvarn.cache.allocation`)
     promote       the share of the quantized layers whose keys get `key_high` (rounded down per model)
+    key_mid       budget presets: a key quantizer between `key` and `key_high`; the key bits that rounding the
+                  `key_high` layers down leaves unspent go to as many further layers at `key_mid` as they pay for
+                  (`mid_layers`), so a model with few quantized layers still spends its budget
     policy        how the cache holds K/V around them (`kvarn.quant.cache_policy`); its fields read through too:
                   `preset.tile`, `.sink`, `.value_window`, `.fp_layers`, `.key_pre_rope`
     params        the builder's parameters, JSON-plain (recorded with the method)
@@ -50,6 +54,7 @@ class Preset:
     family: str = "kvarn"
     key_high: QuantizerFactory | None = None
     promote: float = 0.0
+    key_mid: QuantizerFactory | None = None
     k_bits: float = 16
     v_bits: float = 16
     params: Mapping[str, object] = field(default_factory=dict)
@@ -67,6 +72,8 @@ class Preset:
             raise ValueError(f"preset {self.name!r}: promote needs key_high, the quantizer of the promoted keys")
         if self.key_high is not None and self.key is None:
             raise ValueError(f"preset {self.name!r}: key_high needs a key quantizer to promote from")
+        if self.key_mid is not None and self.key_high is None:
+            raise ValueError(f"preset {self.name!r}: key_mid spends what key_high's rounding leaves; give key_high")
 
     # -- the policy's fields, read through (callers predate the split) ------------------------------------------
     @property
@@ -110,12 +117,24 @@ class Preset:
         """How many of `quantized_layers` layers get `key_high` keys: floor(promote x n), so the budget holds."""
         return int(self.promote * quantized_layers + 1e-9) if self.key_high is not None else 0
 
+    def mid_layers(self, quantized_layers: int, head_dim: int = 128) -> int:
+        """How many further layers get `key_mid` keys: the key bits per element that `promote` x n layers at
+        `key_high` would add, less those of the `promoted_layers` rounded down, over what one `key_mid` layer adds
+        (key bits from stored bytes at `head_dim`; for codes that share their scales the ratio is the code bits')."""
+        if self.key_mid is None or self.key is None or self.key_high is None:
+            return 0
+        n, n_high = quantized_layers, self.promoted_layers(quantized_layers)
+        low = self.key(head_dim).bits_per_element(head_dim)
+        up_high = self.key_high(head_dim).bits_per_element(head_dim) - low
+        up_mid = self.key_mid(head_dim).bits_per_element(head_dim) - low
+        return min(int((self.promote * n - n_high) * up_high / up_mid + 1e-9), n - n_high)
+
     def bits_per_element(self, head_dim: int, num_layers: int | None = None) -> float:
         """Bits per cached K/V element of the quantized region, measured from stored bytes.
 
         Budget presets count their promoted keys: at the `promote` share, or with `num_layers` at the layers a model
-        of that many layers promotes. With `num_layers`, full-precision layers (`fp_layers`) are averaged in at 16
-        bits.
+        of that many quantized layers promotes (`key_high` and `key_mid`). With `num_layers`, full-precision layers
+        (`fp_layers`) are averaged in at 16 bits.
         """
         if not self.quantized:
             return 16.0
@@ -123,8 +142,12 @@ class Preset:
         kb = kq.bits_per_element(head_dim)
         if self.key_high is not None:
             n_q = None if num_layers is None else num_layers - min(num_layers, sum(self.fp_layers))
-            share = self.promote if not n_q else self.promoted_layers(n_q) / n_q
-            kb += share * (self.key_high(head_dim).bits_per_element(head_dim) - kb)
+            up_high = self.key_high(head_dim).bits_per_element(head_dim) - kb
+            if not n_q:
+                kb += self.promote * up_high
+            else:
+                up_mid = 0.0 if self.key_mid is None else self.key_mid(head_dim).bits_per_element(head_dim) - kb
+                kb += (self.promoted_layers(n_q) * up_high + self.mid_layers(n_q, head_dim) * up_mid) / n_q
         b = (kb + vq.bits_per_element(head_dim)) / 2
         if num_layers is not None and any(self.fp_layers):
             n_fp = min(num_layers, sum(self.fp_layers))
@@ -140,6 +163,8 @@ class Preset:
         # budget presets only (records of other presets stay as they were saved before budgets existed)
         budget = {} if self.key_high is None else {"key_high": dict(self.key_high(head_dim).describe()),
                                                    "promote": self.promote}
+        if self.key_mid is not None:
+            budget["key_mid"] = dict(self.key_mid(head_dim).describe())
         return _plain({"name": self.name, "version": self.version, "family": self.family, "k_bits": self.k_bits,
                        "v_bits": self.v_bits, "key": None if kq is None else dict(kq.describe()),
                        "value": None if vq is None else dict(vq.describe()), **budget, "params": dict(self.params),

@@ -18,7 +18,7 @@ from kvarn.cache.allocation import RULES, KeyAllocation, output_gain, promotion_
 from kvarn.integrations.serialize import load_cache, save_cache
 from kvarn.integrations.transformers import KVarNCache, KVarNLayer
 from kvarn.presets import get_preset
-from kvarn.presets.family import budget_preset
+from kvarn.presets.family import affine_preset, budget_preset
 from tests.helpers import close, forward_steps, make_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:kvarn. key tiles stored before any query:UserWarning")
@@ -41,7 +41,7 @@ def test_decision_ranks_by_gain_ties_to_the_lower_layer():
     assert a.quantizer(2) is high and a.quantizer(3) is low and a.quantizer(5) is low
     with pytest.raises(ValueError, match="layer 1 is not one"):
         a.report(1, 1.0)
-    with pytest.raises(ValueError, match="promotes 2 distinct layers"):
+    with pytest.raises(ValueError, match="promotes 2 \\+ 0 distinct layers"):
         a.decide([0])
     with pytest.raises(ValueError, match="cannot promote 5"):
         KeyAllocation([0, 1], 5, low, high)
@@ -49,6 +49,31 @@ def test_decision_ranks_by_gain_ties_to_the_lower_layer():
     assert not a.decided and not a.scores
     with pytest.raises(RuntimeError, match="not decided"):
         a.quantizer(0)
+
+
+def test_mid_layers_take_the_next_ranks_and_the_budget_left():
+    """The mid quantizer goes to the next `mid_count` layers of the same ranking; a budget preset gives it the key
+    bits that rounding its high layers down leaves (Gemma 3 270M: 3 quantized layers, none promoted to 4 bits at
+    2.5 bits/element, one to 3 bits), never more than the budget."""
+    low, high = quantizers()
+    mid = affine_preset("kvarn-auto", 3, 2, 128).quantizers(64)[0]
+    a = KeyAllocation([0, 1, 2, 3], 1, low, high, mid=mid, mid_count=2)
+    for layer, score in [(0, 0.1), (1, 3.0), (2, 2.0), (3, 2.5)]:
+        a.report(layer, score)
+    assert a.promoted == {1} and a.middle == {3, 2}
+    assert [a.quantizer(i).config.bits for i in range(4)] == [2, 4, 3, 3]
+    assert a.report_dict()["middle"] == [2, 3] and a.report_dict()["mid_bits"] == 3
+    with pytest.raises(ValueError, match="distinct"):
+        a.decide([1], [1, 2])
+    with pytest.raises(ValueError, match="needs the mid quantizer"):
+        KeyAllocation([0, 1], 0, low, high, mid_count=1)
+    for name, n, want in [("kvarn-b2.5", 3, (0, 1)), ("kvarn-b2.5", 24, (4, 0)), ("kvarn-b2.5", 30, (5, 1)),
+                          ("kvarn-b3.0", 3, (2, 0)), ("kvarn-b3.0", 4, (2, 1))]:
+        p = get_preset(name)
+        assert (p.promoted_layers(n), p.mid_layers(n)) == want, (name, n)
+        for d in (64, 128):
+            bits = p.bits_per_element(d, n)
+            assert bits <= p.bits_per_element(d) + 1e-12 and bits <= float(name[7:]) + 0.1875 * (d == 64) + 1e-9
 
 
 def test_promotion_gain_matches_the_float64_oracle(seed):
@@ -116,8 +141,9 @@ def feed(cache: KVarNCache, k: list[torch.Tensor], v: list[torch.Tensor], sl: sl
 
 
 def test_tiles_wait_exact_then_the_largest_gains_take_four_bits_within_the_budget(seed):
-    """Four layers of head_dim 128 (the budgets' head size); kvarn-b3.0 promotes floor(0.687 x 4) = 2. The keys of
-    layers 1 and 3 are ten times larger (so are their 2-bit errors): they are promoted. Until every layer has
+    """Four layers of head_dim 128 (the budgets' head size); kvarn-b3.0 promotes floor(0.687 x 4) = 2 to 4 bits and
+    spends the rest (0.75 of a 4-bit layer) on one 3-bit layer. The keys of layers 1 and 3 are ten times larger (so
+    are their 2-bit errors): they are promoted to 4 bits. Until every layer has
     scored, key tiles wait exact in the tail; values never wait. The packed region then holds exactly the preset's
     bits per element at 4 layers, under 3.0."""
     from transformers import LlamaConfig
@@ -141,7 +167,8 @@ def test_tiles_wait_exact_then_the_largest_gains_take_four_bits_within_the_budge
     assert cache.key_allocation.promoted == {1, 3}
     feed(cache, k, v, slice(300, 400))  # the next step: every layer stores its tiles with its bits
     report = cache.allocation()
-    assert report["key_bits"] == [2, 4, 2, 4] and report["value_bits"] == [2, 2, 2, 2]
+    assert report["key_bits"][1] == report["key_bits"][3] == 4 and sorted(report["key_bits"]) == [2, 3, 4, 4]
+    assert report["value_bits"] == [2, 2, 2, 2]
     assert all(cache.layers[i].store.keys.n_tiles == 2 for i in range(4))
     packed = sum(cache.layers[i].store.keys.nbytes().packed + cache.layers[i].store.values.nbytes().packed
                  for i in range(4))
@@ -162,7 +189,7 @@ def test_packed_reads_match_reference_reads_in_a_model(rule, high, budget, seed)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 256, (1, 158), generator=gen)
     chunks = [150, 5, 1, 1, 1]
-    preset = budget_preset(budget, rule=rule, high=high)
+    preset = budget_preset(budget, rule=rule, high=high, mid=3 if high == 4 else None)
     ref_cache = KVarNCache(model.config, preset, sink=8, attention="reference")
     ref = forward_steps(model, ids, ref_cache, chunks)
     cache = KVarNCache(model.config, preset, sink=8)
@@ -174,7 +201,8 @@ def test_packed_reads_match_reference_reads_in_a_model(rule, high, budget, seed)
 
 
 def test_save_load_keeps_the_decision(tmp_path, seed):
-    model = make_tiny_model("llama", head_dim=64)
+    """Four layers: kvarn-b3.0 keeps two at 4-bit keys and one at 3 bits; a loaded cache restores both sets."""
+    model = make_tiny_model("llama", head_dim=64, layers=4)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 256, (1, 160), generator=gen)
     cache = KVarNCache(model.config, "kvarn-b3.0", sink=8)
@@ -182,6 +210,7 @@ def test_save_load_keeps_the_decision(tmp_path, seed):
     save_cache(cache, tmp_path / "c.safetensors")
     back = load_cache(tmp_path / "c.safetensors", model.config)
     assert back.key_allocation.promoted == cache.key_allocation.promoted
+    assert back.key_allocation.middle == cache.key_allocation.middle and len(cache.key_allocation.middle) == 1
     assert back.allocation()["key_bits"] == cache.allocation()["key_bits"]
     for a, b in zip(cache.layers, back.layers):
         assert torch.equal(a.store.keys.full(), b.store.keys.full())
