@@ -33,7 +33,7 @@ SETTINGS: dict[str, tuple[object, object]] = {
     "store_rounds": (15, 5),
     "mem_contexts": ("8192", "1024"),
     "mem_steps": (8, 4),
-    "vllm_presets": ("kvarn-k2v2-g128,kvarn-k4v2-g128", "kvarn-k2v2-g128,kvarn-k4v2-g128"),
+    "vllm_presets": ("kvarn-k2v2-g128,kvarn-k4v2-g128,kvarn-auto-k2v2-g128", "kvarn-k2v2-g128,kvarn-auto-k2v2-g128"),
     "vllm_requests": ("8,32", "8"),
     "vllm_prompt_tokens": ("512,2048", "256"),
     "vllm_new_tokens": (128, 64),
