@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvarn.eval.heap import release_freed_buffers
-from kvarn.eval.provenance import provenance
+from kvarn.eval.provenance import git_revision, provenance
 from kvarn.eval.text import DEFAULT_TEXT
 from kvarn.presets import Preset, get_preset
 
@@ -55,6 +55,7 @@ def parse_methods(text: str | list[str]) -> list[Preset]:
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+    git_revision()  # pinned now: the run records the code it starts with (every analysis seeds first)
 
 
 def result_header(args: argparse.Namespace, command: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 import subprocess
 import time
@@ -11,8 +12,11 @@ from typing import Any
 import torch
 
 
+@functools.cache
 def git_revision() -> str | None:
-    """HEAD's short hash, with "-dirty" when tracked files differ from it (the figures came from uncommitted code)."""
+    """HEAD's short hash, with "-dirty" when tracked files differ from it (the figures came from uncommitted code).
+    Taken once per process: `kvarn.eval.options.seed_everything` asks first, so a long run records the code it
+    started with, not the checkout's state when it finished."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
                               timeout=5).stdout.strip()
