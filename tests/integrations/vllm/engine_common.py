@@ -5,7 +5,6 @@ Every vLLM engine start costs about a minute on 2 cores, so each configuration r
 
     stock      VLLM_PLUGINS="" (no plugin loaded at all): greedy tokens, KV capacity
     disabled   the plugin installed and loaded, not enabled: greedy tokens, KV capacity
-    k2v2       additional_config={"kvarn": {"preset": "kvarn-k2v2-g128"}}: KV capacity (one short request)
     auto       the default preset kvarn-auto-k2v2-g128 (`AUTO`), the same job as stock: greedy tokens, KV capacity,
                generate time (test_engine_auto.py)
     (k4v2 runs as the OpenAI server, test_engine_server.py; the TP runs on a tiny model, test_engine_tp.py)
@@ -133,9 +132,6 @@ def engine(name: str) -> Run:
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()})
         elif name == "auto":
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs(kvarn(AUTO))})
-        elif name == "k2v2":
-            _RUNS[name] = run_llm(name, {"prompts": job["prompts"][:1], "max_tokens": 4,
-                                         "llm": llm_kwargs(kvarn("kvarn-k2v2-g128"))})
         else:
             raise KeyError(name)
     return _RUNS[name]
