@@ -1,0 +1,22 @@
+"""The kvarn CLI with the budget presets' 3-bit variants registered (docs/TASKS.md, "3-bit keys, the budget's
+remainder"): `kvarn-b{2.5,3.0}-k3` buy 3-bit keys in as many layers as the budget pays for, instead of 4-bit keys
+in half as many. Not registered in kvarn itself while the choice between the two widths is open.
+
+    python scripts/budget_variants.py eval tasks --model qwen2.5-coder-0.5b --tasks niah_multikey_1 --lengths 4096 \
+        --samples 10 --threads 1 --methods dynamic,kvarn-auto-k2v2-g128,kvarn-b2.5,kvarn-b2.5-k3 \
+        --out out/eval/budget-mk4k
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvarn.cli import main
+from kvarn.presets.family import BUDGETS, budget_preset
+from kvarn.presets.registry import register_preset
+
+if __name__ == "__main__":
+    for b in BUDGETS:
+        name = f"kvarn-b{b}-k3"
+        register_preset(name, lambda b=b, name=name: budget_preset(b, high=3, mid=None, name=name))
+    sys.exit(main(sys.argv[1:]))
