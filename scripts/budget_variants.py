@@ -1,6 +1,7 @@
 """The kvarn CLI with the budget presets' 3-bit variants registered (docs/TASKS.md, "3-bit keys, the budget's
 remainder"): `kvarn-b{2.5,3.0}-k3` buy 3-bit keys in as many layers as the budget pays for, instead of 4-bit keys
-in half as many. Not registered in kvarn itself while the choice between the two widths is open.
+in half as many; `kvarn-auto-k3v2-g128` is kvarn-auto with 3-bit keys everywhere (for `kvarn bench`). Not
+registered in kvarn itself while the choice between the two widths is open.
 
     python scripts/budget_variants.py eval tasks --model qwen2.5-coder-0.5b --tasks niah_multikey_1 --lengths 4096 \
         --samples 10 --threads 1 --methods dynamic,kvarn-auto-k2v2-g128,kvarn-b2.5,kvarn-b2.5-k3 \
@@ -12,11 +13,12 @@ from __future__ import annotations
 import sys
 
 from kvarn.cli import main
-from kvarn.presets.family import BUDGETS, budget_preset
+from kvarn.presets.family import BUDGETS, affine_preset, budget_preset
 from kvarn.presets.registry import register_preset
 
 if __name__ == "__main__":
     for b in BUDGETS:
         name = f"kvarn-b{b}-k3"
         register_preset(name, lambda b=b, name=name: budget_preset(b, high=3, mid=None, name=name))
+    register_preset("kvarn-auto-k3v2-g128", lambda: affine_preset("kvarn-auto", 3, 2, 128))
     sys.exit(main(sys.argv[1:]))

@@ -108,8 +108,9 @@ class KeyAllocation:
             raise ValueError(f"cannot promote {count} + {mid_count} of {len(layers)} layers")
         if mid_count and mid is None:
             raise ValueError("mid_count needs the mid quantizer")
-        if any(q.tile != low.tile for q in (high, mid) if q is not None):
-            raise ValueError(f"the key quantizers must share a tile ({low.tile} vs {high.tile})")
+        tiles = [q.tile for q in (low, high, mid) if q is not None]
+        if len(set(tiles)) > 1:
+            raise ValueError(f"the key quantizers (low, high, mid) must share a tile, got {tiles}")
         self.layers, self.count, self.low, self.high = tuple(layers), count, low, high
         self.mid, self.mid_count = mid, mid_count
         self.scores: dict[int, float] = {}

@@ -67,6 +67,8 @@ def test_mid_layers_take_the_next_ranks_and_the_budget_left():
         a.decide([1], [1, 2])
     with pytest.raises(ValueError, match="needs the mid quantizer"):
         KeyAllocation([0, 1], 0, low, high, mid_count=1)
+    with pytest.raises(ValueError, match="must share a tile"):
+        KeyAllocation([0, 1], 0, low, high, mid=affine_preset("kvarn-auto", 3, 2, 64).quantizers(64)[0])
     for name, n, want in [("kvarn-b2.5", 3, (0, 1)), ("kvarn-b2.5", 24, (4, 0)), ("kvarn-b2.5", 30, (5, 1)),
                           ("kvarn-b3.0", 3, (2, 0)), ("kvarn-b3.0", 4, (2, 1))]:
         p = get_preset(name)
