@@ -155,20 +155,22 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-def transformers_top1(seqs: list[list[int]], preset: str | None, last: int = MAX_NEW) -> list[list[int]]:
-    """kvarn's transformers cache (None: no cache) predicting the last `last` tokens of each sequence, bf16.
+def transformers_logits(path: str, seqs: list[list[int]], preset: str | None, last: int = MAX_NEW,
+                        dtype: str = "bfloat16") -> list:
+    """The logits (float32 [last, vocab]) with which kvarn's transformers cache (None: no cache) predicts the last
+    `last` tokens of each sequence, the model of `path` in `dtype`.
 
     The cache is fed one block (G tokens) at a time, so each query sees what the paged vLLM backend shows it: blocks
     before its own as stored, its own block exact."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from kvarn.integrations.transformers import KVarNCache
-    from kvarn.models import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model, _ = load_model("default", dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
         out = []
         with torch.no_grad():
             for s in seqs:
@@ -180,10 +182,34 @@ def transformers_top1(seqs: list[list[int]], preset: str | None, last: int = MAX
                     g = cache.preset.tile
                     logits = torch.cat([model(input_ids=ids[:, i:i + g], past_key_values=cache,
                                               use_cache=True).logits[0] for i in range(0, ids.shape[1], g)])
-                out.append(logits[-last - 1:-1].argmax(-1).tolist())
+                out.append(logits[-last - 1:-1].float())
         return out
     finally:
         torch.set_num_threads(threads)
+
+
+def transformers_top1(seqs: list[list[int]], preset: str | None, last: int = MAX_NEW) -> list[list[int]]:
+    """`transformers_logits`' top-1 tokens on the default model in bf16."""
+    return [lg.argmax(-1).tolist() for lg in transformers_logits(model_dir(), seqs, preset, last)]
+
+
+TIE = 0.3  # nats: a top-2 logprob gap within which two runs of the same arithmetic in another order may disagree
+
+
+def equal_up_to_ties(tokens: list[list[int]], logits: list) -> tuple[int, int]:
+    """(equal, total): how many of an engine's greedy `tokens` are the top-1 of `logits` (teacher forced on the same
+    sequences); every other token must sit at a near-tie, a top-2 gap of `logits` under TIE."""
+    equal = total = 0
+    for t, lg in zip(tokens, logits, strict=True):
+        top2 = lg.log_softmax(-1).topk(2, dim=-1).values
+        for i, tok in enumerate(t):
+            total += 1
+            if int(lg[i].argmax()) == tok:
+                equal += 1
+            else:
+                gap = float(top2[i, 0] - top2[i, 1])
+                assert gap < TIE, f"the engine's token {tok} at step {i} differs from transformers' at a gap of {gap}"
+    return equal, total
 
 
 def record(key: str, value) -> None:

@@ -23,13 +23,23 @@ from pathlib import Path
 
 import pytest
 
-from .engine_common import KV_GIB, PRESET, kvarn, model_dir, prompts, record, run_llm, save_tiny
+from .engine_common import (
+    KV_GIB,
+    PRESET,
+    equal_up_to_ties,
+    kvarn,
+    model_dir,
+    prompts,
+    record,
+    run_llm,
+    save_tiny,
+    transformers_logits,
+)
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
 
 MAX_NEW = 16
 WINDOW = 128
-TIE = 0.3  # nats (test_engine_server.py's near-tie rule)
 
 
 def tiny_gemma3(folder: Path) -> str:
@@ -45,31 +55,6 @@ def tiny_gemma3(folder: Path) -> str:
                            eos_token_id=base.eos_token_id, pad_token_id=base.eos_token_id, initializer_range=0.05)
     torch.manual_seed(0)
     return save_tiny(Gemma3ForCausalLM(cfg).to(torch.float32), folder)
-
-
-def transformers_logits(path: str, seqs: list[list[int]], last: int) -> list:
-    """kvarn's transformers cache at PRESET: float32 logits predicting the last `last` tokens of each sequence."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from kvarn.integrations.transformers import KVarNCache
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        out = []
-        with torch.no_grad():
-            for s in seqs:
-                ids = torch.tensor([s])
-                cache = KVarNCache(model.config, preset=PRESET, exact_dtype=None)
-                g = cache.preset.tile
-                logits = torch.cat([model(input_ids=ids[:, i:i + g], past_key_values=cache,
-                                          use_cache=True).logits[0] for i in range(0, ids.shape[1], g)])
-                out.append(logits[-last - 1:-1].float())
-        return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_sliding_window_model_serves_with_default_max_num_seqs(tmp_path) -> None:
@@ -106,17 +91,8 @@ def test_sliding_window_model_serves_with_default_max_num_seqs(tmp_path) -> None
     # agreement with kvarn's transformers cache, teacher forced on vLLM's own sequences
     toks = run.out["tokens"]
     assert all(len(t) == MAX_NEW for t in toks)
-    logits = transformers_logits(path, [p + t for p, t in zip(ps, toks)], MAX_NEW)
-    equal = 0
-    for t, lg in zip(toks, logits):
-        top2 = lg.log_softmax(-1).topk(2, dim=-1).values
-        for i, tok in enumerate(t):
-            if int(lg[i].argmax()) == tok:
-                equal += 1
-            else:
-                gap = float(top2[i, 0] - top2[i, 1])
-                assert gap < TIE, f"vLLM's token {tok} at step {i} differs from transformers' at a gap of {gap}"
-    total = sum(len(t) for t in toks)
+    logits = transformers_logits(path, [p + t for p, t in zip(ps, toks)], PRESET, MAX_NEW, "float32")
+    equal, total = equal_up_to_ties(toks, logits)
     assert equal >= 0.9 * total
     record("sliding_window", {"model": "tiny Gemma-3-like (5 sliding of 128 + 1 full; 2 KV heads of 64; float32)",
                               "max_num_seqs": f"256 lowered to {seqs}", "kv_tokens": reported,
