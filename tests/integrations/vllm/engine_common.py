@@ -3,8 +3,10 @@
 Every vLLM engine start costs about a minute on 2 cores, so each configuration runs once per pytest session
 (`engine(name)`, memoized) and the tests of all modules read its result:
 
-    stock      VLLM_PLUGINS="" (no plugin loaded at all): greedy tokens, KV capacity
-    disabled   the plugin installed and loaded, not enabled: greedy tokens, KV capacity
+    stock      vLLM's own attention: the plugin installed and loaded, not enabled (what an installed but unused
+               kvarn leaves): greedy tokens, KV capacity. That this is exactly vLLM without the plugin is checked
+               against `no-plugin` by a slow test (test_engine_llm.py): one engine start fewer in `make test`
+    no-plugin  VLLM_PLUGINS="" (no plugin loaded at all); no-plugin-again: the same, a second time
     auto       the default preset kvarn-auto-k2v2-g128 (`AUTO`), the same job as stock: greedy tokens, KV capacity,
                generate time (test_engine_auto.py)
     (k4v2 runs as the OpenAI server, test_engine_server.py; the TP runs on a tiny model, test_engine_tp.py)
@@ -126,9 +128,9 @@ def engine(name: str) -> Run:
     """The session's run of one configuration of the module docstring (started on first use)."""
     if name not in _RUNS:
         job = {"prompts": prompts(), "max_tokens": MAX_NEW}
-        if name in ("stock", "stock-again"):
+        if name in ("no-plugin", "no-plugin-again"):
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()}, {"VLLM_PLUGINS": ""})
-        elif name == "disabled":
+        elif name == "stock":
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()})
         elif name == "auto":
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs(kvarn(AUTO))})
