@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvarn-installed
 OUT    ?= out/demo
 
-.PHONY: run test test-slow lint venv clean install-check
+.PHONY: run test test-main setup-and-install-check test-slow lint venv clean install-check
 
 venv: $(STAMP)
 
@@ -28,14 +28,22 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/kvarn demo --out $(OUT)
 
-# pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
-# Then the vLLM engine tests in their own venv (test-vllm, below).
+# Lint, then the main suite (test-main) beside the pip-bound set-up of the rest (.venv-vllm, then install-check: mostly
+# downloads and unpacking, so the two share 2 cores well; each target's output is printed whole when it ends), then
+# the vLLM engine tests alone (their engines pin OpenMP threads to both cores).
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvarn tests scripts
 	$(VENV)/bin/lint-imports
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-main setup-and-install-check
+	$(MAKE) --no-print-directory test-vllm
+
+# pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
+test-main: $(STAMP)
 	$(PY) -m pytest -q || { rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
-	$(MAKE) install-check
-	$(MAKE) test-vllm
+
+setup-and-install-check:
+	$(MAKE) --no-print-directory vllm-venv
+	$(MAKE) --no-print-directory install-check
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
