@@ -174,7 +174,8 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
             done_blocks.append(p.blocks[j])
             done_where.append((p, j))
         if s is not None and (j < plan.sink_blocks or not complete):  # a completing block's slot: only kept exact
-            slot = old if old is not None else torch.zeros(fk.shape[0], 2, g, lay.head_dim, dtype=fp)
+            slot = old if old is not None else torch.zeros(fk.shape[0], 2, g, lay.head_dim, dtype=fp,
+                                                           device=fk.device)
             slot[:, 0, :fk.shape[1]] = fk.to(fp)
             slot[:, 1, :fv.shape[1]] = fv.to(fp)
             pool.write_slot(s, slot)
