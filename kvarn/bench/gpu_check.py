@@ -461,7 +461,9 @@ def write() -> None:
                       "| --- | --- | --- |"]
             for name, r in vl["runs"].items():
                 tps = f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else ""
-                det = r.get("error") or f"KV tokens {r.get('kv_tokens')}, TPOT {r.get('tpot_mean_s')} s" + (
+                tpot = r.get("tpot_mean_s")
+                det = r.get("error") or f"KV tokens {r.get('kv_tokens')}, TPOT " + (
+                    f"{tpot * 1e3:.2f} ms" if tpot is not None else "?") + (
                     f", kvarn active: {r['kvarn_active']}" if name == "kvarn" else "")
                 lines.append(f"| {name} | {tps} | {det} |")
     if RESULTS["errors"]:

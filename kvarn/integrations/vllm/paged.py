@@ -30,6 +30,9 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
        `StoredKV` view whose packed fields are gathered through the block table.
      Decode-like pieces follow `kvarn.attention.fused.take` (KVARN_KERNEL=auto: the kernel when it loads; torch;
      cpu: the kernel or an error naming why not), as the transformers cache does.
+  On CUDA (`decode_kernel`: chosen by the pool's device) the batched decode is `triton_decode` (the Triton split
+  kernel, fixed `MAX_SPLITS`) and completed blocks are written by the Triton store kernel (`_store_triton`); the
+  per-request pieces take PyTorch there (the fused kernel above is the CPU's).
 
 kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or plain, that its encode chooses):
   * query statistics: each layer keeps ONE running `QueryEnergy` (mean of q_d^2 per KV head, [1, H, D] float32 sums +
