@@ -62,8 +62,8 @@ def __getattr__(name: str) -> Any:
                          "backend; run this model without additional_config['kvarn']")
     if name in ROCM or (name not in STOCK and not _on_cuda()):
         raise ValueError(f"kvarn: the kvarn vLLM backend exists for vLLM's CPU and CUDA platforms only (this run "
-                         f"selected {name}); there is no kvarn backend for ROCm/XPU yet (docs/VLLM.md, 'Not "
-                         "supported yet'): run without additional_config['kvarn']")
+                         f"selected {name}); there is no kvarn backend for ROCm/XPU yet (docs/VLLM.md, 'CUDA'): "
+                         "run without additional_config['kvarn']")
     from kvarn.integrations.vllm.backend import KVarNAttentionBackend, KVarNCudaAttentionBackend
 
     return KVarNAttentionBackend if name in STOCK else KVarNCudaAttentionBackend
