@@ -13,6 +13,10 @@ Steps (each guarded: a failure is printed and recorded, the next step still runs
   3. timing (triton.testing.do_bench, medians): decode of one token at 4k/8k/16k/32k context, batch 1 and 8 -
      fused packed decode (whole call, and the split kernel alone) vs SDPA over dense bf16 K/V (and FlashAttention's
      flash_attn_with_kvcache when installed); the store of one tile of every KV head per batch row.
+  5. the vLLM plugin's CUDA path on one layer, no vLLM needed (`paged_check`): prefill + one batched decode step
+     through the real slot plan and page pool, Triton store and decode, vs float64 attention over the stored K/V.
+  6. with vLLM installed and --vllm-model DIR (a local folder: the machine may have no network): generated tokens/s
+     of stock bf16 KV, stock fp8 KV and kvarn at the same KV budget (`vllm_throughput`); skipped otherwise.
 """
 
 from __future__ import annotations
@@ -94,6 +98,10 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter (TRITON_INTERPRET=1)")
     ap.add_argument("--contexts", default="4096,8192,16384,32768")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--vllm-model", default=None, help="local model folder for step 6 (skipped without it)")
+    ap.add_argument("--vllm-preset", default="kvarn-k4v2-g128")
+    ap.add_argument("--vllm-kv-gib", type=float, default=4.0, help="the KV cache budget of every step-6 run")
+    ap.add_argument("--vllm-prompts", default="32,1024,256", help="prompts,prompt tokens,generated tokens")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -294,9 +302,120 @@ def main() -> int:
             RESULTS["timings"].append(row)
             log("   " + json.dumps(row))
 
+    @step("5. vLLM paged decode (Triton) vs float64 on a real page pool")
+    def _paged_correct():
+        paged_check(dev, smoke, hq, hkv, d, g_tile)
+
+    @step("6. vLLM throughput: stock bf16 KV, stock fp8 KV, kvarn")
+    def _vllm_throughput():
+        vllm_throughput(args, out)
+
     n_fail = sum(not c["ok"] for c in RESULTS["checks"]) + len(RESULTS["errors"])
     log(f"\n{len(RESULTS['checks'])} checks, {n_fail} failures/errors; results in {out}/gpu_check.json and .md")
     return 1 if n_fail else 0
+
+
+def paged_check(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: int) -> None:
+    """The vLLM plugin's CUDA path on one layer (`kvarn.integrations.vllm.paged`, no vLLM needed): a bf16 page pool
+    (`LayerPool`, fp slots planned by the real `SlotTable`), a prefill of three requests (completed blocks stored by
+    the Triton store kernel), then one decode step of all three in one Triton launch (`paged.triton_decode`): one
+    request with a sink, 4 packed blocks and a current block, one whose token completes its block, one still in its
+    first (sink) block. Reference: float64 attention over the same stored K/V (packed blocks decoded from the pool's
+    own fields, exact rows from the bf16 slots); bound as step 1 (4x float32 attention's error + 16 eps max|V|)."""
+    from kvarn.integrations.vllm import paged
+    from kvarn.integrations.vllm.layout import PageGeometry, TileLayout
+    from kvarn.integrations.vllm.pool import LayerPool, SlotTable
+    from kvarn.presets import get_preset
+
+    if smoke:  # the CPU pool takes the CUDA path: the Triton kernels on the interpreter
+        paged.decode_kernel = lambda device: "triton"
+    gen = torch.Generator(device=dev).manual_seed(3)
+    lengths = [5 * g + 17, 2 * g - 1, 40]
+    for preset in ("kvarn-k4v2",) if smoke else ("kvarn-k4v2", "kvarn-k2v2"):
+        lay = TileLayout(get_preset(f"{preset}-g{g}"), d, torch.bfloat16)
+        e = next(e for e in lay.share_choices() if lay.blocks_per_slot(e) <= 8 and g * e % (2 * d) == 0)
+        geo = PageGeometry(lay, hkv, e)
+        nb = 12 * geo.blocks_per_slot
+        pool = LayerPool(torch.zeros(nb, hkv, g, geo.c, dtype=torch.uint8, device=dev), geo)
+        table = SlotTable(pool.n_slots, g, 1)
+        free = (torch.randperm(nb - 1, generator=torch.Generator().manual_seed(4)) + 1).tolist()
+        blocks = [[free.pop() for _ in range(-(-(n + 1) // g))] for n in lengths]
+        scale = torch.linspace(0.2, 4.0, d, device=dev)
+        kv = [(torch.randn(n + 1, hkv, d, generator=gen, device=dev) * scale).bfloat16() for n in lengths]
+        vv = [torch.randn(n + 1, hkv, d, generator=gen, device=dev).bfloat16() for n in lengths]
+        starts = [sum(lengths[:i]) for i in range(3)]
+        plan = table.plan([(s, s + n) for s, n in zip(starts, lengths)], [0] * 3, lengths, blocks)
+        paged.write_step(pool, plan, torch.cat([k[:-1] for k in kv]), torch.cat([v[:-1] for v in vv]), "L0")
+        plan = table.plan([(i, i + 1) for i in range(3)], lengths, [n + 1 for n in lengths], blocks)
+        batch = paged.decode_batch(plan, pool)
+        q = torch.randn(3, hq, d, generator=gen, device=dev)
+        out = torch.zeros(3, hq, d, device=dev)
+        exact = paged.write_step(pool, plan, torch.stack([k[-1] for k in kv]), torch.stack([v[-1] for v in vv]), "L0")
+        paged.attend_step(pool, plan, q, out, exact, d ** -0.5, None, "L0")
+        check(f"paged decode {preset}-g{g}: one Triton launch for the 3 decode rows",
+              batch is not None and len(batch.requests) == 3 and pool.triton_store is True)
+        for r, n in enumerate(lengths):
+            j = n // g  # current block; block 0 is the sink, blocks 1 .. j-1 packed
+            ks, vs = [kv[r][:min(j, 1) * g]], [vv[r][:min(j, 1) * g]]
+            if j > 1:
+                idx = torch.tensor(blocks[r][1:j], device=dev)
+                for q_, fields, out_ in ((lay.key_q, pool.key_fields, ks), (lay.value_q, pool.value_fields, vs)):
+                    dec = q_.decode(fields.select(idx).flatten(2), torch.float32)  # [n*H, G, D]
+                    out_.append(dec.view(j - 1, hkv, g, d).transpose(1, 2).reshape(-1, hkv, d))
+            ks.append(kv[r][j * g:])
+            vs.append(vv[r][j * g:])
+            k_all, v_all = torch.cat([x.float() for x in ks]), torch.cat([x.float() for x in vs])  # [T, H, D]
+            ref = {}
+            for dt in (torch.float64, torch.float32):
+                kk = k_all.to(dt).repeat_interleave(hq // hkv, 1).transpose(0, 1)  # [Hq, T, D]
+                vvv = v_all.to(dt).repeat_interleave(hq // hkv, 1).transpose(0, 1)
+                p = torch.softmax(q[r].to(dt).unsqueeze(1) @ kk.transpose(1, 2) * d ** -0.5, -1)
+                ref[dt] = (p @ vvv).squeeze(1)
+            err = float((out[r].double() - ref[torch.float64]).abs().max())
+            err32 = float((ref[torch.float32].double() - ref[torch.float64]).abs().max())
+            bound = 4 * err32 + 16 * torch.finfo(torch.float32).eps * float(v_all.abs().max())
+            check(f"paged decode {preset}-g{g} request {r} ({n + 1} tokens)", err <= bound, err=err, bound=bound,
+                  err_f32_torch=err32)
+
+
+def vllm_throughput(args: argparse.Namespace, out: Path) -> None:
+    """Generated tokens/s of vLLM on this GPU, same model, prompts and KV budget: stock with a bf16 KV cache, stock
+    with kv_cache_dtype="fp8", and the kvarn plugin (`--vllm-preset`); each engine in its own process through `kvarn
+    bench vllm`'s runner (`kvarn.bench.vllm._engine`: one untimed warm-up request, then all prompts at once, greedy,
+    ignore_eos), vLLM's default CUDA graph settings. Skipped, and recorded so, without vLLM or `--vllm-model`. The
+    engine runs in the runner's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the runner's `register()` is the
+    one it uses (a checkout on PYTHONPATH has no installed entry point); a kvarn run whose log lacks the plugin's
+    page report is recorded as not active (its figure would be stock's)."""
+    import os
+
+    from kvarn.bench import vllm as vb
+
+    why = vb.missing() or (None if args.vllm_model else "no --vllm-model given")
+    if why is not None:
+        log(f"   skipped: {why}")
+        RESULTS["vllm"] = {"skipped": why}
+        return
+    n, t, m = (int(x) for x in args.vllm_prompts.split(","))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 30000, (t,), generator=gen).tolist() for _ in range(n)]  # ids any vocab has
+    base = {"model": args.vllm_model, "dtype": "bfloat16", "max_model_len": t + m + 16, "max_num_seqs": n,
+            "seed": 0, "kv_cache_memory_bytes": int(args.vllm_kv_gib * 2**30), "block_size": 128}
+    runs = {"stock_bf16": {}, "stock_fp8": {"kv_cache_dtype": "fp8"},
+            "kvarn": {"additional_config": {"kvarn": {"preset": args.vllm_preset}}}}
+    RESULTS["vllm"] = {"model": args.vllm_model, "prompts": n, "prompt_len": t, "max_tokens": m,
+                       "kv_gib": args.vllm_kv_gib, "runs": {}}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    for name, extra in runs.items():
+        try:
+            row = vb._engine(name, {**base, **extra}, prompts, m)
+        except Exception as e:  # one engine failing must not hide the others
+            row = {"error": f"{type(e).__name__}: {str(e)[-500:]}"}
+        RESULTS["vllm"]["runs"][name] = row
+        log(f"   {name}: {json.dumps(row)}")
+        write()
+    rows = RESULTS["vllm"]["runs"]
+    check("vLLM runs (stock bf16, stock fp8, kvarn active)", all("error" not in r for r in rows.values())
+          and rows["kvarn"].get("kvarn_active", False))
 
 
 def write() -> None:
@@ -331,6 +450,22 @@ def write() -> None:
         for r in st:
             lines.append(f"| {r['store_batch']} | " + " | ".join(f"{v:.4g}" for k, v in r.items()
                                                                if k != "store_batch") + " |")
+    vl = RESULTS.get("vllm")
+    if vl:
+        lines += ["", "## vLLM generate throughput (`kvarn.bench.vllm_run`)", ""]
+        if "skipped" in vl:
+            lines.append(f"Skipped: {vl['skipped']}.")
+        else:
+            lines += [f"{vl['model']}, {vl['prompts']} prompts x {vl['prompt_len']} tokens, {vl['max_tokens']} "
+                      f"generated each, KV budget {vl['kv_gib']} GiB", "", "| run | generated tokens/s | detail |",
+                      "| --- | --- | --- |"]
+            for name, r in vl["runs"].items():
+                tps = f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else ""
+                tpot = r.get("tpot_mean_s")
+                det = r.get("error") or f"KV tokens {r.get('kv_tokens')}, TPOT " + (
+                    f"{tpot * 1e3:.2f} ms" if tpot is not None else "?") + (
+                    f", kvarn active: {r['kvarn_active']}" if name == "kvarn" else "")
+                lines.append(f"| {name} | {tps} | {det} |")
     if RESULTS["errors"]:
         lines += ["", "## Errors", ""] + [f"- {e['step']}: {e['error']}" for e in RESULTS["errors"]]
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")

@@ -4,7 +4,9 @@
 # Installs nothing: needs python with torch (CUDA) and triton; kvarn is this checkout (PYTHONPATH, no install;
 # kvarn.kernels.triton needs only torch + triton). Writes $OUT/gpu_check.{json,md,log} ($OUT defaults to
 # ./gpu_check_out). Exit status: 0 all checks pass, 1 a check failed, 2 the environment is not usable.
-#   bash kvarn/bench/gpu_check.sh [--contexts 4096,8192] [--batches 1]
+# Step 5 checks the vLLM plugin's CUDA path on one layer (no vLLM needed); step 6 times vLLM (stock bf16, stock fp8,
+# kvarn) when vLLM is installed and a local model folder is given (--vllm-model DIR), else it is skipped.
+#   bash kvarn/bench/gpu_check.sh [--contexts 4096,8192] [--batches 1] [--vllm-model DIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu_check_out}"

@@ -79,6 +79,7 @@ def _engine(name: str, llm: dict, prompts: list[list[int]], new_tokens: int) -> 
     r["kv_tokens"] = int(m.group(1).replace(",", "")) if m else None
     m = re.search(r"max_num_seqs lowered from \d+ to (\d+)", log)
     r["max_num_seqs"] = int(m.group(1)) if m else llm["max_num_seqs"]
+    r["kvarn_active"] = "kvarn: preset" in log  # the plugin's page report: kvarn really served this engine
     r["tokens_per_s"] = r["generated_tokens"] / r["wall_s"]
     r["requests_per_s"] = r["requests"] / r["wall_s"]
     return r

@@ -24,6 +24,10 @@ def _mean(xs: list[float]) -> float | None:
 def main() -> None:
     from vllm import LLM, SamplingParams
 
+    from kvarn.integrations.vllm import register
+
+    register()  # what the entry point does; also for a checkout on PYTHONPATH (no entry point) whose engine runs
+    # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: kvarn.bench.gpu_check)
     with open(sys.argv[1]) as f:
         job = json.load(f)
     t = time.perf_counter()

@@ -130,6 +130,29 @@ def test_paged_decode_matches_oracle(d, gqa, preset):
         assert err <= 4 * err32 + 16 * EPS32 * float(vv.abs().max()), f"row {r}: {err:.3g} vs float32 {err32:.3g}"
 
 
+def test_fixed_split_count_equals_adaptive_splits():
+    """splits=S (the vLLM path's fixed MAX_SPLITS: grid (B*H, S) whatever the blocks): fewer splits than blocks
+    (several blocks per split) and more (trailing splits empty, rows with no block at all) give the adaptive launch's
+    result up to float32 merge order (1e-6 relative)."""
+    gen = torch.Generator().manual_seed(21)
+    from kvarn.presets import affine_preset
+
+    kq, vq = affine_preset("kvarn", 2, 2, 16).quantizers(16)  # the smallest tile the kernels take
+    nb, h, d = 8, 2, 16
+    fk = torch.zeros(nb, h, dtype=torch.bool)
+    kf = encode_pool(kq, heavy_tailed(nb, h, 16, d, generator=gen).float(), fk)
+    vf = encode_pool(vq, heavy_tailed(nb, h, 16, d, generator=gen).float(), fk)
+    keys, values = ops.TileFields.from_pool(kf), ops.TileFields.from_pool(vf)
+    table = torch.randperm(nb, generator=gen)[:6].to(torch.int32).repeat(3, 1)
+    n_blocks = torch.tensor([6, 2, 0], dtype=torch.int32)
+    q = torch.randn(3, 4, d, generator=gen)
+    fresh = [(heavy_tailed(3, h, 1, d, generator=gen).float(), heavy_tailed(3, h, 1, d, generator=gen).float(), None)]
+    want = paged_decode(q, keys, values, table, n_blocks, fresh, blocks_per_split=6)
+    for splits in (4, 16):
+        got = paged_decode(q, keys, values, table, n_blocks, fresh, splits=splits)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("d,gqa,preset", [(64, 4, "kvarn-k2v2-g64"), (128, 1, "kvarn-auto-k2v2-g64")])
 def test_cache_adapter_matches_oracle(d, gqa, preset):
     """packed_decode over transformers-cache fields [B, H, n, ...] (block_table[b, j] = j)."""

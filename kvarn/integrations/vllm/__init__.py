@@ -4,10 +4,11 @@
     LLM(model, additional_config={"kvarn": {"preset": "kvarn-k4v2-g128"}}, ...)
 
 `register` runs in every vLLM process (front end, engine core, workers), possibly more than once: it only points
-the registry entries of `select.MLA` and CPU_ATTN (off the CPU platform also `select.NOT_CPU`, which an enabled
-kvarn refuses: there is no CUDA backend yet) at `kvarn.integrations.vllm.select`, which resolves to vLLM's own
-class unless the run's config enables kvarn. Modules: `config` (options, refusals), `select` (the registry hook),
-`layout` (page bytes), `pool` (full-precision pool), `paged` (store + attention), `backend` (vLLM's classes).
+the registry entries of `select.MLA` and CPU_ATTN (off the CPU platform also `select.NOT_CPU`, and CUSTOM unless
+another plugin holds it) at `kvarn.integrations.vllm.select`, which resolves to vLLM's own class unless the run's
+config enables kvarn (then: the kvarn backend of the platform, CPU or CUDA, or a refusal). Modules: `config`
+(options, refusals), `select` (the registry hook), `layout` (page bytes), `pool` (full-precision pool), `paged`
+(store + attention), `backend` (vLLM's classes).
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ def register() -> None:
     """The `vllm.general_plugins` entry point (idempotent)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from kvarn.integrations.vllm.select import MLA, NOT_CPU, STOCK
+    from kvarn.integrations.vllm.select import CUSTOM_SLOT, MLA, NOT_CPU, STOCK
 
     names = (*STOCK, *MLA)
     if not _on_cpu():
         names += tuple(n for n in NOT_CPU if n in AttentionBackendEnum.__members__)
+        custom = AttentionBackendEnum[CUSTOM_SLOT]
+        if not custom.is_overridden():  # another plugin's CUSTOM backend is left alone
+            names += (CUSTOM_SLOT,)
     for name in names:
         member = AttentionBackendEnum[name]
         path = f"kvarn.integrations.vllm.select.{name}"
-        if member.get_path() != path:
+        if not member.is_overridden() or member.get_path() != path:
             register_backend(member, path)

@@ -1,4 +1,7 @@
-"""The kvarn attention backend for vLLM's CPU platform (it takes CPU_ATTN's place when the plugin is enabled).
+"""The kvarn attention backend for vLLM's CPU platform (it takes CPU_ATTN's place when the plugin is enabled), and its
+CUDA twin `KVarNCudaAttentionBackend` (it takes the place of CUDA's backends and of the CUSTOM slot, `select`): the
+same page, builder and impl; the kernels follow the tensors' device (`paged.decode_kernel`: C++ on CPU, Triton on
+CUDA). The CUDA path has been tested on the CPU through the Triton interpreter only (docs/VLLM.md, "CUDA").
 
     KVarNAttentionBackend.customize_spec   a uint8 page of packed tiles + the fp pool share (`layout`), so vLLM sizes
                                            and reports its KV pool in kvarn's bytes
@@ -140,6 +143,20 @@ class KVarNAttentionBackend(AttentionBackend):
         base = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
         return KVarNAttentionSpec(**{**base, "dtype": torch.uint8, "state_content_bytes": geo.c,
                                      "kvarn_max_num_seqs": seqs})
+
+
+class KVarNCudaAttentionBackend(KVarNAttentionBackend):
+    """The kvarn backend on vLLM's CUDA platform: the CPU backend's page (`KVarNAttentionSpec`), builder and impl.
+    Sliding-window layers are not served there (on CPU vLLM's own CPU attention serves them; no CUDA twin of that
+    yet): vLLM's selector is told so (`validate_configuration`) and names it."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # vLLM's third-party slot (a registry member: vLLM looks the name up)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,8 +305,10 @@ class WindowImpl(CPUAttentionBackendImpl):
 class KVarNAttentionImpl(AttentionImpl):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """A sliding-window layer gets `WindowImpl` (vLLM's attention); every other layer the kvarn one."""
+        from vllm.platforms import current_platform
+
         window = args[5] if len(args) > 5 else kwargs.get("sliding_window")
-        if window is not None:
+        if window is not None and current_platform.is_cpu():
             return WindowImpl(*args, **kwargs)
         return super().__new__(cls, *args, **kwargs)
 
@@ -297,7 +316,13 @@ class KVarNAttentionImpl(AttentionImpl):
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
+        from vllm.platforms import current_platform
+
         refused = {"ALiBi": alibi_slopes is not None,
+                   "a logit soft cap off the CPU platform (the Triton decode has none yet)":
+                       bool(logits_soft_cap) and not current_platform.is_cpu(),
+                   "sliding-window layers off the CPU platform": sliding_window is not None
+                       and not current_platform.is_cpu(),
                    f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
                    "KV sharing across layers": kv_sharing_target_layer_name is not None,
                    "attention sink logits": sinks is not None,

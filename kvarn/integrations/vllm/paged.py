@@ -30,6 +30,9 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
        `StoredKV` view whose packed fields are gathered through the block table.
      Decode-like pieces follow `kvarn.attention.fused.take` (KVARN_KERNEL=auto: the kernel when it loads; torch;
      cpu: the kernel or an error naming why not), as the transformers cache does.
+  On CUDA (`decode_kernel`: chosen by the pool's device) the batched decode is `triton_decode` (the Triton split
+  kernel, fixed `MAX_SPLITS`) and completed blocks are written by the Triton store kernel (`_store_triton`); the
+  per-request pieces take PyTorch there (the fused kernel above is the CPU's).
 
 kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or plain, that its encode chooses):
   * query statistics: each layer keeps ONE running `QueryEnergy` (mean of q_d^2 per KV head, [1, H, D] float32 sums +
@@ -65,10 +68,44 @@ from kvarn.attention.packed import KVarNPast, allowed, packed_attention
 from kvarn.attention.view import StoredKV
 from kvarn.cache.store import fits_dtype
 from kvarn.integrations.vllm.pool import LayerPool, RequestPlan, StepPlan
+from kvarn.ops import dispatch
+from kvarn.quant.policy import kernel_weighted
 from kvarn.quant.tiles import Tiles
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
 _NO_EXACT = torch.zeros(0, 3, dtype=torch.long)
+# Context splits per (request, KV head) of the Triton decode: a constant, so the launch grid (B * H, MAX_SPLITS)
+# depends on the batch only (CUDA graphs); 16 x B x H programs fill an H100/H200's 132 SMs from B * H = 8 on.
+MAX_SPLITS = 16
+
+
+def decode_kernel(device: torch.device) -> str:
+    """The kernels that serve a pool on `device` (its batched decode and the store of its completed blocks): "cpu",
+    the C++ kernels (`kvarn.attention.launch`, `AffineQuantizer.encode_tiles`), or "triton" on CUDA
+    (`kvarn.kernels.triton`). Other devices are refused: kvarn has no backend for them."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        return "triton"
+    raise ValueError(f"kvarn: the paged vLLM backend runs on CPU or CUDA tensors, not {device.type}")
+
+
+def triton_unsupported(pool: LayerPool) -> str | None:
+    """Why the Triton paged decode cannot read this pool's tiles (None: it can)."""
+    from kvarn.kernels.triton import available
+
+    lay = pool.layout
+    if not available():
+        return "triton is not installed (pip install 'kvarn[triton]')"
+    why = fused.unsupported_quantizers(lay.key_q, lay.value_q)
+    if why is not None:
+        return why
+    if lay.key_q.config.bits not in (2, 4) or lay.value_q.config.bits not in (2, 4):
+        return f"{lay.key_q.config.bits}/{lay.value_q.config.bits}-bit codes (the Triton kernels read 2 and 4)"
+    d, g = lay.head_dim, lay.tile
+    if min(d, g) < 16 or d & (d - 1) or g & (g - 1):
+        return f"head_dim {d} or tile {g} not a power of two >= 16"
+    return None
 
 
 def _pieces(plan: StepPlan, g: int):
@@ -140,7 +177,8 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
             done_blocks.append(p.blocks[j])
             done_where.append((p, j))
         if s is not None and (j < plan.sink_blocks or not complete):  # a completing block's slot: only kept exact
-            slot = old if old is not None else torch.zeros(fk.shape[0], 2, g, lay.head_dim, dtype=fp)
+            slot = old if old is not None else torch.zeros(fk.shape[0], 2, g, lay.head_dim, dtype=fp,
+                                                           device=fk.device)
             slot[:, 0, :fk.shape[1]] = fk.to(fp)
             slot[:, 1, :fv.shape[1]] = fv.to(fp)
             pool.write_slot(s, slot)
@@ -168,12 +206,15 @@ def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list
     nothing non-finite is ever read from them) and which the caller keeps exact."""
     lay = pool.layout
     n, h = k.shape[:2]
-    ok = torch.ones(n, dtype=torch.bool)
     packs = []
     # rotate="auto" keys: each tile's rotation chosen with its KV head's running query energy (one row per tile, in
     # the flattened (block, head) order); values choose by plain squared error, as in the transformers cache
     w = pool.queries.weight() if pool.queries is not None else None  # [1, H, D]
     kw = None if w is None else w.expand(n, h, w.shape[-1]).reshape(n * h, -1)
+    idx = torch.tensor(blocks, dtype=torch.long, device=k.device)
+    if decode_kernel(k.device) == "triton" and _triton_store(pool):
+        return _store_triton(pool, k, v, kw, idx)
+    ok = torch.ones(n, dtype=torch.bool, device=k.device)
     for q, x, weight in ((lay.key_q, k, kw), (lay.value_q, v, None)):
         flat = x.flatten(0, 1)
         packed, finite, scale_ok = q.encode_tiles(flat, weight)  # non-finite tiles encoded as zeros
@@ -184,11 +225,53 @@ def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list
         drop = bad.repeat_interleave(h)
         packs = [p.zeroed(drop) for p in packs]
     kp, vp = packs
-    idx = torch.tensor(blocks, dtype=torch.long)
     for fields, packed in ((pool.key_fields, kp), (pool.value_fields, vp)):
         new = packed.tensors()
         for name, view in fields.items():
             view[idx] = new[name].unflatten(0, (n, h))
+    return bad
+
+
+def _triton_store(pool: LayerPool) -> bool:
+    """Whether the Triton store kernel writes this pool's tiles: it writes 16/32-bit scales only, so presets with
+    8-bit scales (kvarn-auto's relative column scales) are encoded by `encode_tiles` (PyTorch on the tiles' device),
+    logged once per pool."""
+    if pool.triton_store is None:
+        from kvarn.kernels.triton import ops
+
+        lay = pool.layout
+        why = triton_unsupported(pool) or ops.store_unsupported(lay.formats["keys"]) or ops.store_unsupported(
+            lay.formats["values"])
+        pool.triton_store = why is None
+        if why is not None:
+            log.info("kvarn: completed blocks are encoded by PyTorch on %s: the Triton store kernel cannot (%s)",
+                     pool.runs.device, why)
+    return pool.triton_store
+
+
+def _store_triton(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, kw: torch.Tensor | None,
+                  idx: torch.Tensor) -> torch.Tensor:
+    """`_store_tiles` by the Triton store kernel, straight into the pool's fields at blocks idx; then the same test
+    as `encode_tiles` + `fits_dtype` on what was written (non-finite tiles encoded as zeros)."""
+    from kvarn.kernels.triton import ops
+
+    lay = pool.layout
+    n, h = k.shape[:2]
+    dst = idx.to(torch.int32)
+    ok = torch.ones(n, dtype=torch.bool, device=k.device)
+    for q, x, fields, weight in ((lay.key_q, k, pool.key_fields, kw), (lay.value_q, v, pool.value_fields, None)):
+        flat = x.flatten(0, 1)
+        finite = torch.isfinite(flat).flatten(1).all(1)
+        x0 = torch.where(finite.view(n, h, 1, 1), x, torch.zeros_like(x))
+        ops.store_tiles(x0, ops.TileFields.from_pool(fields), dst, q.config.varn, q.config.varn_iters,
+                        None if weight is None else weight.view(n, h, -1), bool(kernel_weighted(q.policy)))
+        packed = fields.select(idx).flatten(2)  # [n * H, ...] as written
+        ok &= fits_dtype(q, packed, flat, finite & packed.finite_tiles(), x.dtype).view(n, h).all(1)
+    bad = ~ok
+    if bad.any():
+        for fields in (pool.key_fields, pool.value_fields):
+            for _, view in fields.items():
+                view[idx[bad]] = 0
     return bad
 
 
@@ -333,6 +416,9 @@ class DecodeBatch:
     n_blocks: torch.Tensor  # [B] int32
     tiles_len: int  # max_tiles * G: the dense segment's position
     bias: torch.Tensor  # [B, 1, 1, tiles_len + t] float32
+    sink_rows: int  # sink_blocks * G: the dense segment's sink part (the rest: the current block's rows)
+    sink_len: torch.Tensor  # [B] valid sink rows (ns_b * G); the bias's mask as lengths, for the Triton decode
+    cur_len: torch.Tensor  # [B] valid current-block rows (p + 1)
     done_blocks: list[int]  # blocks these tokens complete (stored in this step)
     done_where: list[tuple[RequestPlan, int]]  # (request, logical block) of each
     done_blk: torch.Tensor  # [n, 2, G]
@@ -349,7 +435,11 @@ def decode_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
     batch = None
     if fused.mode() != "torch" and pool.rows is not None:
         lay = pool.layout
-        if fused.take(fused.unsupported_quantizers(lay.key_q, lay.value_q)):
+        if decode_kernel(pool.rows.device) == "triton":
+            take = dispatch.take(triton_unsupported(pool), "the Triton paged decode cannot serve this pool")
+        else:
+            take = fused.take(fused.unsupported_quantizers(lay.key_q, lay.value_q))
+        if take:
             batch = _build_batch(plan, pool)
     plan.batches[key] = batch
     return batch
@@ -403,17 +493,48 @@ def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
         done_blk, done_sub = pool.slot_rows(torch.tensor(done_slots).view(-1, 1, 1), kinds, torch.arange(g))
     else:
         done_blk = done_sub = torch.zeros(0, 2, g, dtype=torch.long)
-    return DecodeBatch(reqs, frozenset(reqs), torch.tensor(tok), write_blk, write_sub, dense_blk, dense_sub, table,
-                       n_blocks, tiles_len, bias, done, done_where, done_blk, done_sub)
+    dev = pool.rows.device  # built on the host once per step, then moved once for every layer
+
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dev, non_blocking=True)
+
+    return DecodeBatch(reqs, frozenset(reqs), to(torch.tensor(tok)), to(write_blk), to(write_sub), to(dense_blk),
+                       to(dense_sub), to(table), to(n_blocks), tiles_len, to(bias), sb * g,
+                       to(torch.tensor(ns, dtype=torch.int32)), to(cur_row_t.to(torch.int32) + 1), done, done_where,
+                       to(done_blk), to(done_sub))
 
 
 def batched_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, scale: float,
                    softcap: float | None) -> torch.Tensor:
-    """One kernel call for every decode row of the step: q [B, Hq, D] -> float32 [B, Hq, D]."""
+    """One kernel call for every decode row of the step: q [B, Hq, D] -> float32 [B, Hq, D]; the kernel of the
+    pool's device (`decode_kernel`)."""
     kv = pool.rows[batch.dense_blk, :, batch.dense_sub]  # [B, 2, t, H, D]: sinks and current blocks, one gather
     k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # [B, H, t, D], unit stride on D
+    if decode_kernel(pool.rows.device) == "triton":
+        return triton_decode(pool, batch, q, k, v, scale, softcap)
     out = kernel.decode_attention(q[:, :, None], kernel.PackedTiles.pool(pool.key_fields),
                                   kernel.PackedTiles.pool(pool.value_fields), batch.table, batch.n_blocks,
                                   pool.layout.tile, scaling=scale, dense=[(k, v, batch.tiles_len)], tiles_pos=0,
                                   bias=batch.bias, softcap=softcap)
     return out[:, :, 0]
+
+
+def triton_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float, softcap: float | None) -> torch.Tensor:
+    """`batched_decode` on the Triton kernels: grid (request x KV head, MAX_SPLITS) over the packed tiles read in
+    place through the block table (`TileFields.from_pool`), GQA query heads as rows of their KV head's program; the
+    dense segment k, v [B, H, t, D] as two exact regions of the same online softmax (`ops.merge_states`): the sinks
+    (first `sink_rows`, valid up to sink_len) and the current block (valid up to cur_len), which is what the C++
+    path's -inf padding bias masks. -> float32 [B, Hq, D]."""
+    from kvarn.kernels.triton.attention import paged_decode
+    from kvarn.kernels.triton.ops import TileFields
+
+    if softcap:
+        raise ValueError("kvarn: the Triton paged decode has no logit soft cap yet (Gemma 2-like models); run this "
+                         "model without additional_config['kvarn'] on CUDA")
+    s = batch.sink_rows
+    exact = [(k[:, :, s:], v[:, :, s:], batch.cur_len)]
+    if s:
+        exact.insert(0, (k[:, :, :s], v[:, :, :s], batch.sink_len))
+    return paged_decode(q.float(), TileFields.from_pool(pool.key_fields), TileFields.from_pool(pool.value_fields),
+                        batch.table, batch.n_blocks, exact, scale, splits=MAX_SPLITS)

@@ -210,6 +210,7 @@ class LayerPool:
         # rotate="auto" keys: the layer's running query energy, [1, H, D] float32 sums + count, for the whole engine
         # (all requests pooled; `paged.observe_queries`); kept across pools of the same layer when given
         self.queries = (queries if queries is not None else QueryEnergy()) if lay.key_q.takes_weight else None
+        self.triton_store: bool | None = None  # CUDA: whether the Triton store kernel writes its tiles (`paged`)
 
     def slot_rows(self, slots: torch.Tensor, kind: int | torch.Tensor,
                   row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,8 +28,10 @@ Exact = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 def paged_decode(query: torch.Tensor, keys: TileFields, values: TileFields, block_table: torch.Tensor,
                  n_blocks: torch.Tensor, exact: Sequence[Exact] = (), scaling: float | None = None,
-                 blocks_per_split: int | None = None, precision: Precision = "ieee") -> torch.Tensor:
-    """softmax(q K^T * scaling) V for one query token per batch row over packed tiles + exact regions."""
+                 blocks_per_split: int | None = None, precision: Precision = "ieee",
+                 splits: int | None = None) -> torch.Tensor:
+    """softmax(q K^T * scaling) V for one query token per batch row over packed tiles + exact regions; splits: a
+    fixed split count (`ops.decode_partials`)."""
     if query.dim() != 3:
         raise ValueError(f"query must be [B, Hq, D], got {tuple(query.shape)}")
     b, hq, d = query.shape
@@ -41,7 +43,8 @@ def paged_decode(query: torch.Tensor, keys: TileFields, values: TileFields, bloc
     rotated = keys.rotate != "none" or values.rotate != "none"
     h = hadamard_f32(d, query.device) if rotated else None
     qh = qs @ h if rotated else None
-    out_r, out_p = decode_attention(qs, qh, keys, values, block_table, n_blocks, exact, blocks_per_split, precision)
+    out_r, out_p = decode_attention(qs, qh, keys, values, block_table, n_blocks, exact, blocks_per_split, precision,
+                                    splits)
     out = out_p + out_r @ h if values.rotate != "none" else out_p
     return out.reshape(b, hq, d).to(query.dtype)
 

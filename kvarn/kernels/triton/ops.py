@@ -191,10 +191,12 @@ def _splits(batch_heads: int, max_blocks: int, device: torch.device) -> int:
 
 def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileFields, values: TileFields,
                     block_table: torch.Tensor, n_blocks: torch.Tensor, blocks_per_split: int | None = None,
-                    precision: Precision = "ieee") -> State:
+                    precision: Precision = "ieee", splits: int | None = None) -> State:
     """Split-K partial states of the packed tiles (kernels/decode.py). q, q_rot [B, H, M, D] float32, already
     scaled (q_rot = q H, needed when either kind is rotated); block_table [B, max_blocks] int32, n_blocks [B]
-    int32 (n_blocks[b] <= max_blocks, not checked on the device: no host sync)."""
+    int32 (n_blocks[b] <= max_blocks, not checked on the device: no host sync). splits: a fixed split count S (grid
+    (B*H, S) whatever the blocks, ceil(max_blocks / S) blocks each, trailing splits empty: a launch whose shape
+    depends on B only, for CUDA graphs); else `blocks_per_split` or enough splits to fill the GPU."""
     b, h, m, d = q.shape
     g = keys.cols
     if keys.axis != "channel" or values.axis != "token" or keys.rows != d or values.cols != d or values.rows != g:
@@ -223,8 +225,13 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
     else:
         qrp = qp
     max_blocks = block_table.shape[1]
-    bps = blocks_per_split or _splits(b * h, max_blocks, q.device)
-    s = max(1, -(-max_blocks // bps))
+    if splits is not None:
+        if splits < 1:
+            raise ValueError(f"splits must be >= 1, got {splits}")
+        s, bps = splits, max(1, -(-max_blocks // splits))
+    else:
+        bps = blocks_per_split or _splits(b * h, max_blocks, q.device)
+        s = max(1, -(-max_blocks // bps))
     m_part = qp.new_empty(b, h, s, mp)
     l_part = torch.empty_like(m_part)
     acc_r = qp.new_empty(b, h, s, mp, d)
@@ -271,11 +278,11 @@ def merge_states(states: Sequence[State]) -> tuple[torch.Tensor, torch.Tensor]:
 def decode_attention(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileFields, values: TileFields,
                      block_table: torch.Tensor, n_blocks: torch.Tensor,
                      exact: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = (),
-                     blocks_per_split: int | None = None,
-                     precision: Precision = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
+                     blocks_per_split: int | None = None, precision: Precision = "ieee",
+                     splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax attention of q [B, H, M, D] (scaled, float32) over packed tiles + exact regions (k, v [B, H, t, D],
     lengths [B] or None) in one softmax -> (out_rot, out_plain) [B, H, M, D]; o = out_rot @ H + out_plain."""
-    states = [decode_partials(q, q_rot, keys, values, block_table, n_blocks, blocks_per_split, precision)]
+    states = [decode_partials(q, q_rot, keys, values, block_table, n_blocks, blocks_per_split, precision, splits)]
     states += [exact_state(q, k, v, n) for k, v, n in exact]
     return merge_states(states)
 
@@ -286,10 +293,20 @@ def hadamard_f32(d: int, device: torch.device) -> torch.Tensor:
     return hadamard_dense(d, torch.float32, device)
 
 
-def _check_store(c: AffineFormat, x: torch.Tensor) -> None:
+def store_unsupported(c: AffineFormat) -> str | None:
+    """Why the store kernel cannot write tiles of format c (None: it can); sizes are checked per call."""
+    if c.bits not in SUPPORTED_BITS:
+        return f"{c.bits}-bit codes (the store kernel writes {SUPPORTED_BITS})"
     if c.scale_dtype.itemsize == 1 or (c.col_dtype is not None and c.col_dtype.itemsize == 1):
-        raise ValueError("the Triton store kernel writes 16/32-bit scales; 8-bit scales (fp8 presets, kvarn-auto's "
-                         "relative column scales) are not supported yet: store with AffineQuantizer.encode")
+        return ("the Triton store kernel writes 16/32-bit scales; 8-bit scales (fp8 presets, kvarn-auto's relative "
+                "column scales) are not supported yet")
+    return None
+
+
+def _check_store(c: AffineFormat, x: torch.Tensor) -> None:
+    why = store_unsupported(c)
+    if why is not None:
+        raise ValueError(f"{why}: store with AffineQuantizer.encode")
     if x.dim() != 4 or x.shape[2] != c.tile or not x.is_floating_point():
         raise ValueError(f"x must be floating tiles [N, H, G={c.tile}, D], got {x.dtype} {tuple(x.shape)}")
     _pow2(x.shape[3], "head_dim")

@@ -58,14 +58,3 @@ def test_resolver_returns_vllm_class_when_not_enabled() -> None:
     assert AttentionBackendEnum.CPU_ATTN.get_path() == "kvarn.integrations.vllm.select.CPU_ATTN"
     assert AttentionBackendEnum.CPU_ATTN.get_class() is CPUAttentionBackend
 
-
-def test_enabled_kvarn_refuses_other_platforms_backends(monkeypatch) -> None:
-    """Off the CPU platform, an enabled kvarn refuses vLLM's GPU backends (no kvarn CUDA backend yet) instead of
-    running stock attention silently; MLA is refused everywhere."""
-    from kvarn.integrations.vllm import select
-
-    monkeypatch.setattr(select, "_enabled", lambda: True)
-    with pytest.raises(ValueError, match="CPU platform only"):
-        select.FLASH_ATTN  # noqa: B018
-    with pytest.raises(ValueError, match="MLA"):
-        select.CPU_MLA  # noqa: B018
