@@ -1,34 +1,41 @@
 """Load on the k4v2 OpenAI server (conftest.py's `server`, shared with test_engine_server.py: no extra vLLM start).
 
-Client threads on 127.0.0.1 stream greedy completions of prompts of mixed lengths (`LOAD_LENGTHS`, 50 to 500 tokens,
-two sharing a prefix), and close some streams after a few tokens (a cancellation mid-stream: vLLM aborts the
-request). Each round submits `requests` requests from `clients` threads; a deadline bounds the whole run (no request
-is submitted after it, and any request without an answer by then is lost). Checks, per round:
+Client threads on 127.0.0.1 stream greedy completions of prompts of mixed lengths (`EXTRA_LENGTHS` 50/120/245 and
+engine_common.prompts()' 150/300/400/520 tokens; the 245 and the 400 share their first block, a prefix-cache hit on
+a shared sink) and close some streams after a few tokens (a cancellation mid-stream: vLLM aborts the request). Each
+round submits `requests` requests from `clients` threads; a deadline bounds the run (no request is submitted after
+it, and a request without an answer by then is lost). Checks, per round:
   * 0 errors: every request not cancelled ends with finish_reason "length" after exactly `new` tokens;
   * 0 lost: every request submitted got its answer or is one of those we cancelled;
-  * every completed answer (and every cancelled one, on the tokens it got) equals that prompt's one-at-a-time greedy
-    answer from the same server up to the near-tie rule (`engine_common.near_tie_divergence`), and most agree
-    throughout;
-  * no fp pool slot leaks (`kvarn.integrations.vllm.pool.PoolStats`, the server's KVARN_POOL_STATS file), read with
-    the server idle (no step for `IDLE_S`). The backend is not told when a request ends, so the slot of a finished
-    request's last partial block stays held until vLLM reuses that block, and vLLM hands new requests never-used
-    blocks first (its free queue is LRU): occupancy grows with every request until the pool is full, then the least
-    recently used idle slot is evicted. "All returned" therefore means, from one idle point to the next:
-      - free + held == slots (a slot that left the free list and no block holds is lost for good);
-      - the blocks kept exact are those of the start (none is made here; a kept block has no other exact copy);
-      - held grows by at most `owned_slots` summed over the round's requests: per request, its own sink blocks
-        (those not full in its prompt: vLLM's prefix cache only shares full prompt blocks, and the one-at-a-time warm-up
-        already cached every prompt's full ones) plus its last partial block if that is not a sink; sinks grow by
-        at most the own sink blocks. A filling block that completes is released at the next step: were that lost,
-        each request whose decode completes a block past the sink (here every completed one of 245, 370 and 500
-        tokens) would hold one slot more than the bound. No eviction happens below a full pool (then held <= slots).
-  * memory: the engine core's RSS (its pid in the stats file, /proc) sampled every 0.2 s stays within `RSS_MIB` of
-    its value at the end of the first round (which pays for the first batched steps' buffers). The KV cache and the
-    fp pool are preallocated (1 GiB), so a request's own state is Python objects of kilobytes; the bound leaves room
-    for the allocators' arenas. It is a coarse check in the short form (tens of requests), stronger in the long one;
-  * the server still answers afterwards.
-The short form (`make test-vllm`, about a minute on 2 cores) and the long form (`-m slow`, or KVARN_LOAD_* below) run
-the same code; figures go to out/vllm/engine.json under "load" / "load_long".
+  * every answer (a cancelled one on the tokens it got) equals that prompt's one-at-a-time greedy answer from the same
+    server (conftest's `sequential`, and the extra prompts' one at a time here) up to the near-tie rule
+    (`engine_common.near_tie_divergence`), and most agree throughout;
+  * no fp pool slot leaks (`kvarn.integrations.vllm.pool.PoolStats`, the server's KVARN_POOL_STATS file), read with the
+    server idle (no request running or waiting, no new step). The backend is not told when a request ends, so the
+    slots of a finished request's blocks stay held until vLLM reuses those blocks; vLLM 0.32 hands out the blocks no
+    prefix can match (a request's last partial block) first, most recently freed first, and cached full blocks last
+    (`BlockPool.free_blocks`), and every round allocates at least one new block per request. So at an idle point:
+      - free + held == slots (a slot that left the free list and that no block holds is lost for good);
+      - held - sinks - exact <= `nonsink_bound(round)`: at most the last partial blocks of the latest round's requests
+        that are not sinks (the earlier rounds' were reused by this one). A block that completes is released at the
+        next step: were that lost, the complete blocks of every earlier request that completed one while decoding
+        (each 245-token prompt within 11 tokens, and the warm-up's) would stay held on top;
+      - sinks grow from one idle point to the next by at most the round's requests whose prompt is shorter than the
+        sink (their sink block is theirs: a block completed while decoding is cached under a hash no prompt matches,
+        so it keeps its slot until vLLM recycles it or the pool evicts it), and by none else (the prompts' full sink
+        blocks are prefix-cache hits since the warm-up);
+      - the blocks kept exact are those of the start (no tile here is unquantizable); no sink read is lost while
+        nothing was evicted.
+    Once the pool is full (the long form), the least recently used idle slot is evicted: both bounds still hold (an
+    eviction only lowers held), and a prefix-cache hit on an evicted sink reads its packed copy (`lost_sink_reads`).
+  * memory: the RSS of the process that holds the pool and runs the model (the pid in the stats file: vLLM's CPU
+    worker, a child of EngineCore), read from /proc every 0.2 s, stays within `RSS_MIB` of its value at the end of
+    the first round (which pays for the first batched steps' buffers). The KV cache and the fp pool are preallocated
+    (1 GiB), so a request's own state is Python objects of kilobytes; the bound leaves room for the allocators'
+    arenas. A coarse check in the short form (16 requests), stronger in the long one;
+  * the server still answers afterwards, as before the load.
+The short form runs in `make test-vllm`; the long form (`-m slow`, sized by KVARN_LOAD_* below) runs the same code.
+Figures go to out/vllm/engine.json under "load" / "load_long".
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
+from urllib.request import urlopen
 
 import pytest
 
@@ -48,10 +56,10 @@ from .engine_common import REQUEST_TIMEOUT, Server, near_tie_divergence, prompts
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]
 
-LOAD_LENGTHS = (50, 120, 245, 370, 500)  # prompt tokens; 245, 370, 500 complete a block within 16 new tokens
+EXTRA_LENGTHS = (50, 120, 245)  # prompt tokens besides prompts()': shorter than the sink, its sink completing while
+# decoding, a block past the sink completing within 11 new tokens
 G, SINK_BLOCKS = 128, 1  # kvarn-k4v2-g128: tile and sink blocks
 CANCEL_AFTER = 3  # tokens read before a cancelled stream is closed
-IDLE_S = 1.0  # no engine step for this long: the server is idle
 RSS_MIB = 48
 
 
@@ -65,13 +73,13 @@ class Load:
     deadline_s: float
 
 
-SHORT = Load(clients=8, requests=8, new=16, cancel_every=4, rounds=2, deadline_s=240)
+SHORT = Load(clients=8, requests=8, new=12, cancel_every=4, rounds=2, deadline_s=300)
 
 
 def long_form() -> Load:
     env = os.environ.get
     return Load(clients=int(env("KVARN_LOAD_CLIENTS", 8)), requests=int(env("KVARN_LOAD_REQUESTS", 40)),
-                new=int(env("KVARN_LOAD_NEW", 32)), cancel_every=int(env("KVARN_LOAD_CANCEL_EVERY", 5)),
+                new=int(env("KVARN_LOAD_NEW", 16)), cancel_every=int(env("KVARN_LOAD_CANCEL_EVERY", 5)),
                 rounds=int(env("KVARN_LOAD_ROUNDS", 5)), deadline_s=float(env("KVARN_LOAD_DEADLINE_S", 1800)))
 
 
@@ -120,16 +128,11 @@ def stream(server: Server, prompt: list[int], new: int, cancel_after: int | None
     return ans
 
 
-def owned_slots(prompt: int, final: int | None) -> int:
-    """fp slots a finished request can leave held (module docstring): its sink blocks not full in the prompt, plus its
-    last partial block when that is not a sink. final None (cancelled: its length is unknown): the most it can be."""
-    own_sinks = sum(1 for j in range(SINK_BLOCKS) if (j + 1) * G > prompt and (final is None or j * G < final))
-    last = final is None or (final % G != 0 and (final - 1) // G >= SINK_BLOCKS)
-    return own_sinks + last
-
-
-def own_sinks(prompt: int) -> int:
-    return sum(1 for j in range(SINK_BLOCKS) if (j + 1) * G > prompt)
+def last_block_held(prompt: int, new: int, cancelled: bool) -> int:
+    """1 if a finished request's last partial block is not a sink (it then holds a non-sink slot until vLLM reuses
+    the block), else 0. The cache ends at prompt + new - 1 tokens (the last token sampled is never written); a
+    cancelled request ends somewhere before: counted as if it had run to the end (an upper bound)."""
+    return (prompt + new - 2) // G >= SINK_BLOCKS
 
 
 def rss_mib(pid: int) -> float:
@@ -138,14 +141,17 @@ def rss_mib(pid: int) -> float:
     return kb / 1024
 
 
-def idle_stats(server: Server, timeout: float = 60) -> dict:
-    """The pool stats once no engine step has run for IDLE_S."""
+def idle_stats(server: Server, timeout: float = 120) -> dict:
+    """The pool stats once no request is running or waiting (vLLM's /metrics) and no step ran for 0.5 s."""
     end = time.time() + timeout
     st = server.pool()
     while time.time() < end:
-        time.sleep(IDLE_S)
+        time.sleep(0.5)
+        with urlopen(f"{server.base}/metrics", timeout=30) as r:
+            busy = sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                       if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting{")))
         now = server.pool()
-        if now["step"] == st["step"]:
+        if not busy and now["step"] == st["step"]:
             return now
         st = now
     raise AssertionError(f"the server did not go idle within {timeout} s")
@@ -163,12 +169,15 @@ class Sampler(threading.Thread):
             self.samples.append(rss_mib(self.pid))
 
 
-def run_load(server: Server, load: Load, key: str) -> None:
+def run_load(server: Server, sequential: list[tuple[list[int], list[float]]], load: Load, key: str) -> None:
     t0 = time.time()
     deadline = t0 + load.deadline_s
-    ps = prompts(LOAD_LENGTHS)
-    reference = [server.greedy(p, load.new) for p in ps]  # one at a time (also the warm-up: prompts cached)
-    assert all(len(t) == load.new for t, _ in reference)
+    ps = prompts(EXTRA_LENGTHS) + prompts()
+    lengths = [len(p) for p in ps]
+    # one at a time (with the warm-up of conftest's `sequential`, every prompt's full blocks are cached)
+    reference = [server.greedy(p, load.new) for p in ps[:len(EXTRA_LENGTHS)]] + sequential
+    assert all(len(t) >= load.new for t, _ in reference)
+    t_ref = time.time()
     start = idle_stats(server)
     pid = start["pid"]
     sampler = Sampler(pid)
@@ -177,6 +186,7 @@ def run_load(server: Server, load: Load, key: str) -> None:
     before, after_first = start, None
     totals = {"requests": 0, "completed": 0, "cancelled": 0, "errors": 0, "lost": 0, "not_submitted": 0,
               "diverged_at_near_tie": 0}
+    rounds = []
     try:
         for rnd in range(load.rounds):
             jobs = [(i % len(ps), i % load.cancel_every == load.cancel_every - 1) for i in range(load.requests)]
@@ -208,10 +218,12 @@ def run_load(server: Server, load: Load, key: str) -> None:
             assert len(diverged) <= len(submitted) // 2, f"most answers should agree throughout: {diverged}"
             st = idle_stats(server)
             if after_first is None:
-                after_first = (st, rss_mib(pid), len(sampler.samples))
-            bound = sum(owned_slots(LOAD_LENGTHS[p], None if c else LOAD_LENGTHS[p] + load.new)
-                        for (p, c), _ in submitted)
-            check_pool(before, st, bound, sum(own_sinks(LOAD_LENGTHS[p]) for (p, _), _ in submitted), rnd)
+                after_first = (rss_mib(pid), len(sampler.samples))
+            nonsink = sum(last_block_held(lengths[p], load.new, c) for (p, c), _ in submitted)
+            own_sinks = sum(lengths[p] < SINK_BLOCKS * G for (p, _), _ in submitted)
+            check_pool(before, st, nonsink, own_sinks, rnd)
+            rounds.append({k: st[k] for k in ("held", "sinks", "free", "evictions", "lost_sink_reads")}
+                          | {"nonsink_bound": nonsink, "seconds": round(time.time() - t0, 1)})
             before = st
             totals["requests"] += len(submitted)
             totals["not_submitted"] += len(jobs) - len(submitted)
@@ -222,34 +234,38 @@ def run_load(server: Server, load: Load, key: str) -> None:
         sampler.stop.set()
         sampler.join()
     end_rss = rss_mib(pid)
-    base_rss = after_first[1]
-    later = [*sampler.samples[after_first[2]:], end_rss]
-    assert max(later) - base_rss <= RSS_MIB, (f"engine core RSS grew from {base_rss:.0f} MiB (end of round 1) to "
+    base_rss, first = after_first
+    later = [*sampler.samples[first:], end_rss]
+    assert max(later) - base_rss <= RSS_MIB, (f"the worker's RSS grew from {base_rss:.0f} MiB (end of round 1) to "
                                               f"{max(later):.0f} MiB (bound {RSS_MIB} MiB)")
-    assert server.greedy(ps[0], load.new)[0] == reference[0][0], "the server answers differently after the load"
-    record(key, {**totals, "clients": load.clients, "rounds": load.rounds, "new_tokens": load.new,
-                 "prompt_tokens": list(LOAD_LENGTHS), "pool_start": start, "pool_end": before,
+    after = server.greedy(ps[0], load.new)
+    assert len(after[0]) == load.new
+    near_tie_divergence(after, reference[0], "the server after the load and before it")
+    record(key, {**totals, "clients": load.clients, "requests_per_round": load.requests, "rounds": load.rounds,
+                 "new_tokens": load.new, "prompt_tokens": lengths, "cancel_after_tokens": CANCEL_AFTER,
+                 "pool_start": start, "pool_end": before, "pool_after_each_round": rounds,
                  "rss_mib": {"start": round(rss_start, 1), "after_round_1": round(base_rss, 1),
                              "max_after_round_1": round(max(later), 1), "end": round(end_rss, 1)},
-                 "wall_s": round(time.time() - t0, 1)})
+                 "references_s": round(t_ref - t0, 1), "wall_s": round(time.time() - t0, 1)})
 
 
-def check_pool(before: dict, after: dict, bound: int, sink_bound: int, rnd: int) -> None:
-    """The no-leak invariant of the module docstring, from one idle point to the next."""
+def check_pool(before: dict, after: dict, nonsink_bound: int, own_sinks: int, rnd: int) -> None:
+    """The no-leak invariant of the module docstring, at an idle point after a round (`before`: the previous one)."""
     where = f"round {rnd}: pool {before} -> {after}"
     assert after["free"] + after["held"] == after["slots"], f"{where}: slots neither free nor held"
-    assert after["exact"] == before["exact"], where
-    assert after["lost_sink_reads"] == before["lost_sink_reads"], where
-    if after["evictions"] == before["evictions"]:  # below a full pool nothing is evicted: every slot accounted
-        assert after["held"] - before["held"] <= bound, f"{where}: held grew by more than {bound}"
-        assert after["sinks"] - before["sinks"] <= sink_bound, f"{where}: sinks grew by more than {sink_bound}"
-    assert after["held"] <= after["slots"], where
+    assert after["exact"] == before["exact"], f"{where}: blocks kept exact changed"
+    nonsink = after["held"] - after["sinks"] - after["exact"]
+    assert nonsink <= nonsink_bound, (f"{where}: {nonsink} non-sink slots held, more than the {nonsink_bound} last "
+                                      "partial blocks of this round's requests")
+    assert after["sinks"] - before["sinks"] <= own_sinks, f"{where}: sinks grew by more than {own_sinks}"
+    if after["evictions"] == before["evictions"]:
+        assert after["lost_sink_reads"] == before["lost_sink_reads"], f"{where}: a sink read lost, none evicted"
 
 
-def test_load_short(server) -> None:
-    run_load(server, SHORT, "load")
+def test_load_short(server, sequential) -> None:
+    run_load(server, sequential, SHORT, "load")
 
 
 @pytest.mark.slow
-def test_load_long(server) -> None:
-    run_load(server, long_form(), "load_long")
+def test_load_long(server, sequential) -> None:
+    run_load(server, sequential, long_form(), "load_long")

@@ -57,12 +57,6 @@ def test_chat_completion(server) -> None:
 
 
 @pytest.fixture(scope="module")
-def sequential(server) -> list[tuple[list[int], list[float]]]:
-    """The prompts' greedy tokens and top-2 gaps, one request at a time."""
-    return [server.greedy(p) for p in prompts()]
-
-
-@pytest.fixture(scope="module")
 def greedy(sequential) -> list[list[int]]:
     return [t for t, _ in sequential]
 
