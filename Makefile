@@ -78,7 +78,8 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # tests/integrations/vllm/ in .venv-vllm (the main venv skips its engine modules, saying why): six vLLM starts
-# (stock, disabled, the default kvarn-auto-k2v2, the k4v2 OpenAI server, a tiny model at tp=1 and tp=2); writes out/vllm/engine.json. KVARN_REQUIRE_VLLM=1:
+# (stock, disabled, the default kvarn-auto-k2v2, the k4v2 OpenAI server shared by the server and load tests, a tiny
+# model at tp=1 and tp=2); writes out/vllm/engine.json. KVARN_REQUIRE_VLLM=1:
 # an engine module that cannot import vLLM fails instead of skipping.
 test-vllm: $(VLLM_STAMP)
 	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q tests/integrations/vllm || { rc=$$?; [ $$rc -ne 5 ] || echo "make test-vllm: pytest collected no tests" >&2; exit $$rc; }

@@ -1,10 +1,10 @@
 """Load on the k4v2 OpenAI server (conftest.py's `server`, shared with test_engine_server.py: no extra vLLM start).
 
-Client threads on 127.0.0.1 stream greedy completions of prompts of mixed lengths (`EXTRA_LENGTHS` 50/120/245 and
-engine_common.prompts()' 150/300/400/520 tokens; the 245 and the 400 share their first block, a prefix-cache hit on
-a shared sink) and close some streams after a few tokens (a cancellation mid-stream: vLLM aborts the request). Each
-round submits `requests` requests from `clients` threads; a deadline bounds the run (no request is submitted after
-it, and a request without an answer by then is lost). Checks, per round:
+Client threads on 127.0.0.1 stream greedy completions of prompts of mixed lengths (`EXTRA_LENGTHS` 380/50/250/120
+and engine_common.prompts()' 150/300/400/472 tokens; the 380 and the 150, the 250 and the 400 share their first block:
+prefix-cache hits on a shared sink) and close some streams after a few tokens (a cancellation mid-stream: vLLM
+aborts the request). Each round submits `requests` requests from `clients` threads; a deadline bounds the run (no
+request is submitted after it, and a request without an answer by then is lost). Checks, per round:
   * 0 errors: every request not cancelled ends with finish_reason "length" after exactly `new` tokens;
   * 0 lost: every request submitted got its answer or is one of those we cancelled;
   * every answer (a cancelled one on the tokens it got) equals that prompt's one-at-a-time greedy answer from the same
@@ -19,7 +19,7 @@ it, and a request without an answer by then is lost). Checks, per round:
       - held - sinks - exact <= `nonsink_bound(round)`: at most the last partial blocks of the latest round's requests
         that are not sinks (the earlier rounds' were reused by this one). A block that completes is released at the
         next step: were that lost, the complete blocks of every earlier request that completed one while decoding
-        (each 245-token prompt within 11 tokens, and the warm-up's) would stay held on top;
+        (each 380- and 250-token one, within 4 and 6 tokens, and the warm-up's) would stay held on top;
       - sinks grow from one idle point to the next by at most the round's requests whose prompt is shorter than the
         sink (their sink block is theirs: a block completed while decoding is cached under a hash no prompt matches,
         so it keeps its slot until vLLM recycles it or the pool evicts it), and by none else (the prompts' full sink
@@ -56,8 +56,9 @@ from .engine_common import REQUEST_TIMEOUT, Server, near_tie_divergence, prompts
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]
 
-EXTRA_LENGTHS = (50, 120, 245)  # prompt tokens besides prompts()': shorter than the sink, its sink completing while
-# decoding, a block past the sink completing within 11 new tokens
+# prompt tokens besides prompts()': two that complete a block past the sink within 4 and 6 new tokens, one shorter than
+# the sink, one whose sink block completes while decoding; in this order, so that no cancelled request is one of the two
+EXTRA_LENGTHS = (380, 50, 250, 120)
 G, SINK_BLOCKS = 128, 1  # kvarn-k4v2-g128: tile and sink blocks
 CANCEL_AFTER = 3  # tokens read before a cancelled stream is closed
 RSS_MIB = 48
