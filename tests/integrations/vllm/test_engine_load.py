@@ -129,11 +129,11 @@ def stream(server: Server, prompt: list[int], new: int, cancel_after: int | None
     return ans
 
 
-def last_block_held(prompt: int, new: int, cancelled: bool) -> int:
+def last_block_held(prompt: int, new: int) -> int:
     """1 if a finished request's last partial block is not a sink (it then holds a non-sink slot until vLLM reuses
     the block), else 0. The cache ends at prompt + new - 1 tokens (the last token sampled is never written); a
     cancelled request ends somewhere before: counted as if it had run to the end (an upper bound)."""
-    return (prompt + new - 2) // G >= SINK_BLOCKS
+    return int((prompt + new - 2) // G >= SINK_BLOCKS)
 
 
 def rss_mib(pid: int) -> float:
@@ -180,6 +180,7 @@ def run_load(server: Server, sequential: list[tuple[list[int], list[float]]], lo
     assert all(len(t) >= load.new for t, _ in reference)
     t_ref = time.time()
     start = idle_stats(server)
+    assert start["free"] + start["held"] == start["slots"], f"slots neither free nor held: {start}"
     pid = start["pid"]
     sampler = Sampler(pid)
     sampler.start()
@@ -220,7 +221,7 @@ def run_load(server: Server, sequential: list[tuple[list[int], list[float]]], lo
             st = idle_stats(server)
             if after_first is None:
                 after_first = (rss_mib(pid), len(sampler.samples))
-            nonsink = sum(last_block_held(lengths[p], load.new, c) for (p, c), _ in submitted)
+            nonsink = sum(last_block_held(lengths[p], load.new) for (p, _), _ in submitted)
             own_sinks = sum(lengths[p] < SINK_BLOCKS * G for (p, _), _ in submitted)
             check_pool(before, st, nonsink, own_sinks, rnd)
             rounds.append({k: st[k] for k in ("held", "sinks", "free", "evictions", "lost_sink_reads")}
