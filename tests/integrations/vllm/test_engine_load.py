@@ -29,10 +29,11 @@ request is submitted after it, and a request without an answer by then is lost).
     Once the pool is full (the long form), the least recently used idle slot is evicted: both bounds still hold (an
     eviction only lowers held), and a prefix-cache hit on an evicted sink reads its packed copy (`lost_sink_reads`).
   * memory: the RSS of the process that holds the pool and runs the model (the pid in the stats file: vLLM's CPU
-    worker, a child of EngineCore), read from /proc every 0.2 s, stays within `RSS_MIB` of its value at the end of
-    the first round (which pays for the first batched steps' buffers). The KV cache and the fp pool are preallocated
-    (1 GiB), so a request's own state is Python objects of kilobytes; the bound leaves room for the allocators'
-    arenas. A coarse check in the short form (16 requests), stronger in the long one;
+    worker) and of its parent, vLLM's EngineCore (the scheduler, the requests' state), read from /proc every 0.2 s,
+    each stays within `RSS_MIB` of its value at the end of the first round (which pays for the first batched steps'
+    buffers). The KV cache and the fp pool are preallocated (1 GiB), so a request's own state is Python objects of
+    kilobytes; the bound leaves room for the allocators' arenas. A coarse check in the short form (16 requests),
+    stronger in the long one;
   * the server still answers afterwards, as before the load.
 The short form runs in `make test-vllm`; the long form (`-m slow`, sized by KVARN_LOAD_* below) runs the same code.
 Figures go to out/vllm/engine.json under "load" / "load_long".
@@ -136,10 +137,13 @@ def last_block_held(prompt: int, new: int) -> int:
     return int((prompt + new - 2) // G >= SINK_BLOCKS)
 
 
-def rss_mib(pid: int) -> float:
+def proc_status(pid: int, field: str) -> int:
     with open(f"/proc/{pid}/status") as f:
-        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return kb / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def rss_mib(pids: dict[str, int]) -> dict[str, float]:
+    return {name: proc_status(pid, "VmRSS") / 1024 for name, pid in pids.items()}
 
 
 def idle_stats(server: Server, timeout: float = 120) -> dict:
@@ -159,15 +163,15 @@ def idle_stats(server: Server, timeout: float = 120) -> dict:
 
 
 class Sampler(threading.Thread):
-    """RSS of one process every 0.2 s, until stopped."""
+    """RSS of some processes every 0.2 s, until stopped."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pids: dict[str, int]) -> None:
         super().__init__(daemon=True)
-        self.pid, self.samples, self.stop = pid, [], threading.Event()
+        self.pids, self.samples, self.stop = pids, [], threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.2):
-            self.samples.append(rss_mib(self.pid))
+            self.samples.append(rss_mib(self.pids))
 
 
 def run_load(server: Server, sequential: list[tuple[list[int], list[float]]], load: Load, key: str) -> None:
@@ -181,10 +185,10 @@ def run_load(server: Server, sequential: list[tuple[list[int], list[float]]], lo
     t_ref = time.time()
     start = idle_stats(server)
     assert start["free"] + start["held"] == start["slots"], f"slots neither free nor held: {start}"
-    pid = start["pid"]
-    sampler = Sampler(pid)
+    pids = {"worker": start["pid"], "engine_core": proc_status(start["pid"], "PPid")}
+    sampler = Sampler(pids)
     sampler.start()
-    rss_start = rss_mib(pid)
+    rss_start = rss_mib(pids)
     before, after_first = start, None
     totals = {"requests": 0, "completed": 0, "cancelled": 0, "errors": 0, "lost": 0, "not_submitted": 0,
               "diverged_at_near_tie": 0}
@@ -220,7 +224,7 @@ def run_load(server: Server, sequential: list[tuple[list[int], list[float]]], lo
             assert len(diverged) <= len(submitted) // 2, f"most answers should agree throughout: {diverged}"
             st = idle_stats(server)
             if after_first is None:
-                after_first = (rss_mib(pid), len(sampler.samples))
+                after_first = (rss_mib(pids), len(sampler.samples))
             nonsink = sum(last_block_held(lengths[p], load.new) for (p, _), _ in submitted)
             own_sinks = sum(lengths[p] < SINK_BLOCKS * G for (p, _), _ in submitted)
             check_pool(before, st, nonsink, own_sinks, rnd)
@@ -235,19 +239,20 @@ def run_load(server: Server, sequential: list[tuple[list[int], list[float]]], lo
     finally:
         sampler.stop.set()
         sampler.join()
-    end_rss = rss_mib(pid)
+    end_rss = rss_mib(pids)
     base_rss, first = after_first
-    later = [*sampler.samples[first:], end_rss]
-    assert max(later) - base_rss <= RSS_MIB, (f"the worker's RSS grew from {base_rss:.0f} MiB (end of round 1) to "
-                                              f"{max(later):.0f} MiB (bound {RSS_MIB} MiB)")
+    top = {n: max(r[n] for r in [*sampler.samples[first:], end_rss]) for n in pids}
+    for n in pids:
+        assert top[n] - base_rss[n] <= RSS_MIB, (f"the {n}'s RSS grew from {base_rss[n]:.0f} MiB (end of round 1) to "
+                                                 f"{top[n]:.0f} MiB (bound {RSS_MIB} MiB)")
     after = server.greedy(ps[0], load.new)
     assert len(after[0]) == load.new
     near_tie_divergence(after, reference[0], "the server after the load and before it")
     record(key, {**totals, "clients": load.clients, "requests_per_round": load.requests, "rounds": load.rounds,
                  "new_tokens": load.new, "prompt_tokens": lengths, "cancel_after_tokens": CANCEL_AFTER,
                  "pool_start": start, "pool_end": before, "pool_after_each_round": rounds,
-                 "rss_mib": {"start": round(rss_start, 1), "after_round_1": round(base_rss, 1),
-                             "max_after_round_1": round(max(later), 1), "end": round(end_rss, 1)},
+                 "rss_mib": {n: {"start": round(rss_start[n], 1), "after_round_1": round(base_rss[n], 1),
+                                 "max_after_round_1": round(top[n], 1), "end": round(end_rss[n], 1)} for n in pids},
                  "references_s": round(t_ref - t0, 1), "wall_s": round(time.time() - t0, 1)})
 
 
