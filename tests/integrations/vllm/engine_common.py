@@ -182,7 +182,7 @@ class Server:
         return [int(next(t for t, lp in e.items() if lp["rank"] == 1)) for e in entries]
 
     def pool(self) -> dict:
-        """The engine core's kvarn pool stats (KVARN_POOL_STATS, written every step: `pool.PoolStats`)."""
+        """The kvarn pool stats of the server's model worker (KVARN_POOL_STATS, every step: `pool.PoolStats`)."""
         return json.loads(self.stats.read_text())
 
 
