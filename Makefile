@@ -86,8 +86,9 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # tests/integrations/vllm/ in .venv-vllm (the main venv skips its engine modules, saying why): five vLLM starts
-# (stock: the plugin installed, not enabled; the default kvarn-auto-k2v2, the k4v2 OpenAI server, a tiny model at
-# tp=2, a tiny sliding-window model; `-m slow` adds vLLM with no plugin loaded); writes out/vllm/engine.json. KVARN_REQUIRE_VLLM=1:
+# (stock: the plugin installed, not enabled; the default kvarn-auto-k2v2, the k4v2 OpenAI server shared by the server
+# and load tests, a tiny model at tp=2, a tiny sliding-window model; `-m slow` adds vLLM with no plugin loaded);
+# writes out/vllm/engine.json. KVARN_REQUIRE_VLLM=1:
 # an engine module that cannot import vLLM fails instead of skipping.
 test-vllm: $(VLLM_STAMP)
 	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q tests/integrations/vllm || { rc=$$?; [ $$rc -ne 5 ] || echo "make test-vllm: pytest collected no tests" >&2; exit $$rc; }

@@ -27,6 +27,7 @@ hybrid KV cache manager on.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -54,7 +55,7 @@ from kvarn.integrations.vllm.layout import (
     num_blocks_in,
 )
 from kvarn.integrations.vllm.paged import attend_step, observe_queries, write_step
-from kvarn.integrations.vllm.pool import LayerPool, SlotTable, StepPlan, seq_fp_slots
+from kvarn.integrations.vllm.pool import LayerPool, SlotTable, StepPlan, seq_fp_slots, write_stats
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
 
@@ -222,6 +223,21 @@ def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> tu
     return geo, seqs
 
 
+def stats_path() -> str | None:
+    """Where this worker writes its fp pool's state every step (`pool.PoolStats`, JSON): KVARN_POOL_STATS, suffixed
+    ".rank<r>" on tensor-parallel ranks other than 0 (each rank has its own pool); None when unset."""
+    path = os.environ.get("KVARN_POOL_STATS")
+    if not path:
+        return None
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    try:
+        rank = get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError):  # no TP group in this process
+        rank = 0
+    return f"{path}.rank{rank}" if rank else path
+
+
 @dataclass
 class KVarNMetadata:
     num_actual_tokens: int
@@ -251,6 +267,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         check_engine(vllm_config, self.settings)
         self.vllm_config = vllm_config
         self.table: SlotTable | None = None
+        self.stats_path = stats_path()
 
     def _slot_table(self) -> SlotTable:
         if self.table is None:
@@ -281,7 +298,10 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         computed = [seq[i] - (qsl[i + 1] - qsl[i]) for i in range(n)]
         bt = m.block_table_tensor.cpu()
         block_rows = [bt[i, :-(-seq[i] // g)].tolist() for i in range(n)]
-        plan = self._slot_table().plan(rows, computed, seq, block_rows)
+        table = self._slot_table()
+        plan = table.plan(rows, computed, seq, block_rows)
+        if self.stats_path:
+            write_stats(self.stats_path, table.stats())
         return KVarNMetadata(m.num_actual_tokens, m.max_query_len, m.max_seq_len, m.query_start_loc, m.seq_lens,
                              m.block_table_tensor, m.slot_mapping, plan)
 

@@ -23,11 +23,17 @@ Lifetimes, as the backend sees vLLM's blocks through the block tables:
     pool's slack) stops with an error naming the fix, never a wrong answer.
 Capacity: `fp_slots` >= (sink blocks + 2) * max_num_seqs keeps every running sequence's blocks (the +2: a block
 completing and the next one being filled within one step): `SEQ_FP_BLOCKS`. Blocks kept exact come on top.
+
+`SlotTable.stats` reports the table's state (`PoolStats`); the backend writes it to a JSON file every step when
+KVARN_POOL_STATS names one (docs/VLLM.md).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -71,6 +77,41 @@ def seq_fp_slots(sink_blocks: int) -> int:
     return sink_blocks + SEQ_FP_BLOCKS
 
 
+@dataclass(frozen=True)
+class PoolStats:
+    """One worker's fp pool after the latest step's plan (`SlotTable.stats`); counts are slots per layer.
+
+    slots = free + held; held = slots assigned to a block, of which `sinks` (kept after their request, for
+    prefix-cache hits), `exact` (kept exact for good until vLLM reuses the block), `pinned` (read or written by the
+    latest step: not evictable during it) and `pending` (a block that completed in the latest step: freed at the start
+    of the next). `idle` = held - (sinks | exact | pinned): mostly the last partial blocks of finished requests, which
+    the backend is not told about (module docstring), evicted first when the pool runs out."""
+
+    step: int
+    slots: int
+    free: int
+    held: int
+    sinks: int
+    exact: int
+    pinned: int
+    pending: int
+    idle: int
+    evictions: int
+    lost_sink_reads: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def write_stats(path: str, stats: PoolStats) -> None:
+    """`stats` (with this process's pid and the time) as JSON at `path`, atomically: a temp file beside it, then
+    os.replace, so a reader never sees a partial file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "time": round(time.time(), 3), **stats.as_dict()}, f)
+    os.replace(tmp, path)
+
+
 class SlotTable:
     """Block id -> fp slot, shared by every layer of one worker process."""
 
@@ -109,6 +150,15 @@ class SlotTable:
         s = self.free.pop()
         self.slot_of[block] = s
         return s
+
+    def stats(self) -> PoolStats:
+        """The table's state now (`PoolStats`); O(held) set arithmetic, cheap enough for every step."""
+        held = self.slot_of.keys()
+        kept = self.sink | self.exact.keys() | (self._in_use & held)
+        return PoolStats(step=self.step, slots=self.n_slots, free=len(self.free), held=len(held),
+                         sinks=len(self.sink & held), exact=len(self.exact.keys() & held),
+                         pinned=len(self._in_use & held), pending=len(set(self.release_next) & held),
+                         idle=len(held - kept), evictions=self.evictions, lost_sink_reads=self.lost_sink_reads)
 
     def take_exact(self, block: int) -> int:
         """The slot of a block that a layer keeps exact, during the step that completed it: its own, else a free one,

@@ -9,7 +9,8 @@ Every vLLM engine start costs about a minute on 2 cores, so each configuration r
     no-plugin  VLLM_PLUGINS="" (no plugin loaded at all); no-plugin-again: the same, a second time
     auto       the default preset kvarn-auto-k2v2-g128 (`AUTO`), the same job as stock: greedy tokens, KV capacity,
                generate time (test_engine_auto.py)
-    (k4v2 runs as the OpenAI server, test_engine_server.py; the TP runs on a tiny model, test_engine_tp.py)
+    (k4v2 runs as the OpenAI server, `start_server` through the session fixture `server` of conftest.py, shared by
+    test_engine_server.py and test_engine_load.py; the TP runs on a tiny model, test_engine_tp.py)
 
 Figures go to out/vllm/engine.json (`record`), with the command, machine and versions.
 """
@@ -17,13 +18,19 @@ Figures go to out/vllm/engine.json (`record`), with the command, machine and ver
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,8 +70,9 @@ def model_dir() -> str:
     return str(resolve("default"))
 
 
-def prompts() -> list[list[int]]:
-    """Token ids of English prose from the standard library's pydoc topics, one text per prompt."""
+def prompts(lengths: tuple[int, ...] = LENGTHS) -> list[list[int]]:
+    """Token ids of English prose from the standard library's pydoc topics, one text per prompt (cycled past four:
+    a later prompt then shares a prefix with an earlier one), truncated to `lengths` tokens."""
     import pydoc_data.topics
 
     from transformers import AutoTokenizer
@@ -72,7 +80,7 @@ def prompts() -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model_dir())
     topics = pydoc_data.topics.topics
     texts = [topics[k] for k in ("assignment", "exceptions", "naming", "integers")]
-    return [tok(t)["input_ids"][:n] for t, n in zip(texts, LENGTHS)]
+    return [tok(texts[i % len(texts)])["input_ids"][:n] for i, n in enumerate(lengths)]
 
 
 def save_tiny(model, folder: Path) -> str:
@@ -139,6 +147,111 @@ def engine(name: str) -> Run:
     return _RUNS[name]
 
 
+START_TIMEOUT = 600
+REQUEST_TIMEOUT = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+        return json.loads(r.read())
+
+
+class Server:
+    """The k4v2 OpenAI server on loopback (`start_server`): its URL, log, and the kvarn pool stats file."""
+
+    def __init__(self, base: str, log: Path, stats: Path, pid: int) -> None:
+        self.base, self.log, self.stats, self.pid = base, log, stats, pid
+
+    def complete(self, prompt: list[int], max_tokens: int, **extra) -> dict:
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+        return post(f"{self.base}/v1/completions", body)["choices"][0]
+
+    def greedy(self, prompt: list[int], max_tokens: int = MAX_NEW) -> tuple[list[int], list[float]]:
+        """Greedy tokens and, per step, the gap between the top two logprobs (nats)."""
+        c = self.complete(prompt, max_tokens, return_token_ids=True, logprobs=2, return_tokens_as_token_ids=True)
+        return c["token_ids"], top2_gaps(c["logprobs"]["top_logprobs"])
+
+    def top1(self, seq: list[int], last: int) -> list[int]:
+        """Top-1 prediction of each of the last `last` tokens of seq from the tokens before it."""
+        entries = self.complete(seq, 1, prompt_logprobs=1)["prompt_logprobs"][-last:]
+        return [int(next(t for t, lp in e.items() if lp["rank"] == 1)) for e in entries]
+
+    def pool(self) -> dict:
+        """The kvarn pool stats of the server's model worker (KVARN_POOL_STATS, every step: `pool.PoolStats`)."""
+        return json.loads(self.stats.read_text())
+
+
+def top2_gaps(top_logprobs: list[dict[str, float]]) -> list[float]:
+    """Per step, the gap between the top two logprobs (nats) of a completion's `top_logprobs`."""
+    tops = [sorted(d.values(), reverse=True) for d in top_logprobs]
+    return [t[0] - t[1] if len(t) > 1 else math.inf for t in tops]
+
+
+# nats: a top-2 logprob gap within which batched and unbatched bf16 runs may disagree (test_engine_server.py's
+# module docstring: vLLM's own CPU kernels are not batch-invariant)
+TIE = 0.3
+
+
+def near_tie_divergence(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]],
+                        what: str = "the runs") -> dict | None:
+    """The first step at which two greedy runs (tokens, top-2 gaps) of one prompt differ, None if they agree on
+    their common length; fails unless that step is a near-tie (min of the two gaps <= TIE): every token before the
+    first divergence must be equal, and what follows it is a different context, not compared."""
+    (ta, ga), (tb, gb) = a, b
+    n = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+    if n is None:
+        return None
+    assert min(ga[n], gb[n]) <= TIE, (f"{what} diverge at step {n}, where the top-2 gaps are {ga[n]:.3f} and "
+                                      f"{gb[n]:.3f} nats (no near-tie)")
+    return {"step": n, "gaps": [round(ga[n], 4), round(gb[n], 4)]}
+
+
+@contextmanager
+def start_server(folder: Path) -> Iterator[Server]:
+    """The k4v2 OpenAI server on 127.0.0.1 with KVARN_POOL_STATS set, healthy; its process group killed on exit."""
+    port = free_port()
+    log, stats = folder / "server.log", folder / "pool.json"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir(), "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "smollm2", "--dtype", "bfloat16", "--max-model-len", "1024",
+           "--max-num-seqs", "8", "--enforce-eager", "--seed", "0", "--additional-config", json.dumps(kvarn())]
+    t = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, **ENV, "KVARN_POOL_STATS": str(stats)}, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-6000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise AssertionError(f"server not healthy after {START_TIMEOUT} s:\n{log.read_text()[-6000:]}")
+            time.sleep(2)
+        record("seconds", {"server_start": round(time.time() - t, 1)})
+        yield Server(base, log, stats, proc.pid)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group this started: server and its engine processes
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        record("seconds", {"server_total": round(time.time() - t, 1)})
+
+
 def stock_sequences() -> list[list[int]]:
     """Each prompt followed by stock vLLM's greedy continuation: the sequences that every engine is scored on."""
     return [p + t for p, t in zip(prompts(), engine("stock").out["tokens"])]
@@ -193,9 +306,6 @@ def transformers_logits(path: str, seqs: list[list[int]], preset: str | None, la
 def transformers_top1(seqs: list[list[int]], preset: str | None, last: int = MAX_NEW) -> list[list[int]]:
     """`transformers_logits`' top-1 tokens on the default model in bf16."""
     return [lg.argmax(-1).tolist() for lg in transformers_logits(model_dir(), seqs, preset, last)]
-
-
-TIE = 0.3  # nats: a top-2 logprob gap within which two runs of the same arithmetic in another order may disagree
 
 
 def equal_up_to_ties(tokens: list[list[int]], logits: list) -> tuple[int, int]:
