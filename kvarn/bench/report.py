@@ -89,7 +89,7 @@ def _profiles(result: dict) -> list[Table]:
 
 def _targets(result: dict) -> list[Table]:
     rows = [[t["target"], t["where"], t["value"], t["bound"], t["status"]] for t in result.get("targets", [])]
-    return [("issue 10 targets", ["target", "where", "measured", "target", "status"], rows)] if rows else []
+    return [("targets (issues 10, 19, 20)", ["target", "where", "measured", "target", "status"], rows)] if rows else []
 
 
 BUILDERS = {"attention": _attention, "e2e": _e2e, "store": _store, "memory": _memory, "vllm": _vllm}

@@ -51,7 +51,7 @@ def test_bench_all_tiny_end_to_end(tiny, tmp_path):
                                                               "bench-memory.png"}
     doc = md.read_text()
     assert doc.startswith("# Benchmarks\n\nWritten by hand.\n") and "tiny test run" in doc
-    assert "](img/bench-e2e.png)" in doc and "issue 10 targets" in doc
+    assert "](img/bench-e2e.png)" in doc and "targets (issues 10, 19, 20)" in doc
     # a second run replaces the generated block, keeping the text around it
     main([*args[:-2], "--note", "second"])
     doc2 = md.read_text()
