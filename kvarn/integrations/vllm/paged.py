@@ -100,8 +100,11 @@ def triton_unsupported(pool: LayerPool) -> str | None:
     why = fused.unsupported_quantizers(lay.key_q, lay.value_q)
     if why is not None:
         return why
-    if lay.key_q.config.bits not in (2, 4) or lay.value_q.config.bits not in (2, 4):
-        return f"{lay.key_q.config.bits}/{lay.value_q.config.bits}-bit codes (the Triton kernels read 2 and 4)"
+    from kvarn.kernels.triton.ops import SUPPORTED_BITS
+
+    if lay.key_q.config.bits not in SUPPORTED_BITS or lay.value_q.config.bits not in SUPPORTED_BITS:
+        return (f"{lay.key_q.config.bits}/{lay.value_q.config.bits}-bit codes (the Triton kernels read "
+                f"{SUPPORTED_BITS})")
     d, g = lay.head_dim, lay.tile
     if min(d, g) < 16 or d & (d - 1) or g & (g - 1):
         return f"head_dim {d} or tile {g} not a power of two >= 16"

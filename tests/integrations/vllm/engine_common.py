@@ -194,8 +194,9 @@ def top2_gaps(top_logprobs: list[dict[str, float]]) -> list[float]:
     return [t[0] - t[1] if len(t) > 1 else math.inf for t in tops]
 
 
-# nats: a top-2 logprob gap within which batched and unbatched bf16 runs may disagree (test_engine_server.py's
-# module docstring: vLLM's own CPU kernels are not batch-invariant)
+# nats: a top-2 logprob gap within which two runs of the same model that sum in another order may pick different
+# tokens (batched vs one at a time: vLLM's own CPU kernels are not batch-invariant, test_engine_server.py's module
+# docstring; vLLM vs kvarn's transformers cache: other kernels); `near_tie_divergence`, `equal_up_to_ties`
 TIE = 0.3
 
 

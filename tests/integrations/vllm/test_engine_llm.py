@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from .engine_common import KV_GIB, capacity, engine, record  # skips this module where vLLM is not installed
+from .engine_common import KV_GIB, capacity, engine, model_dir, record  # skips this module where vLLM is not installed
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
 
 
 def test_installed_but_disabled_keeps_vllms_attention_and_pages() -> None:
     from transformers import AutoConfig
-
-    from .engine_common import model_dir
 
     run = engine("stock")
     assert "kvarn:" not in run.log
