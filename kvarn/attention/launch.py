@@ -44,6 +44,7 @@ MIN_TILES_PER_SPLIT = 8
 SEAT = torch.ops.kvarn.packed_decode.default  # the op seat (kvarn.ops.seats); kernels register behind it
 
 _EMPTY = torch.empty(0)
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _check_table(block_table: torch.Tensor, n_blocks: torch.Tensor, capacity: int) -> None:
+def check_table(block_table: torch.Tensor, n_blocks: torch.Tensor, capacity: int) -> None:
     """Every block the kernel will read exists: n_blocks[b] <= max_blocks and block_table[b, :n_blocks[b]] in
     [0, capacity) (the kernel does not bounds-check its reads)."""
     if block_table.dim() != 2 or n_blocks.dim() != 1 or n_blocks.shape[0] != block_table.shape[0]:
@@ -131,6 +132,20 @@ def _check_table(block_table: torch.Tensor, n_blocks: torch.Tensor, capacity: in
     ids = block_table[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= capacity):
         raise ValueError(f"block_table holds blocks outside [0, {capacity}): {int(ids.min())}..{int(ids.max())}")
+
+
+def check_paged(rows: torch.Tensor, index: torch.Tensor, position: int, batch: int) -> None:
+    """Indexed rows the kernel can read (it does not bounds-check them): rows [N, H, R, D] with unit stride on D,
+    index [batch, 2, t] int64 contiguous with every id in [0, N * R)."""
+    if rows.dim() != 4 or rows.stride(-1) != 1 or rows.dtype not in (torch.float32, *DENSE_DTYPES):
+        raise ValueError(f"paged rows must be [N, H, R, D] float32/float16/bfloat16 with unit stride on D, got "
+                         f"{tuple(rows.shape)} {rows.dtype} strides {rows.stride()}")
+    if index.dtype != torch.int64 or index.dim() != 3 or index.shape[:2] != (batch, 2) or not index.is_contiguous():
+        raise ValueError(f"paged index must be contiguous int64 [B={batch}, 2, t], got {tuple(index.shape)} "
+                         f"{index.dtype}")
+    n = rows.shape[0] * rows.shape[2]
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= n):
+        raise ValueError(f"paged index holds rows outside [0, {n}): {int(index.min())}..{int(index.max())}")
 
 
 def available(device: str = "cpu") -> bool:
@@ -150,13 +165,16 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
                    bias: torch.Tensor | None = None, softcap: float | None = None,
                    exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                    splits: int | None = None, hadamard: torch.Tensor | None = None, scale: float = 1.0,
-                   validate: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   validate: bool = True, paged: tuple[torch.Tensor, torch.Tensor, int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The kernel itself: qs (plain) and qh = qs H, float32 [B, Hkv, M, D] (row j*L + l = query head h*groups + j at
     position l), multiplied by `scale` in the kernel; dense = (k, v, position) [B, Hkv, t, D] (float32; fp16 / bf16
     rows are read as they are). Returns the value outputs of the plain and of the rotated basis, float32
     [B, Hkv, M, D] each, already divided by the softmax sum. With `hadamard` (H float32 [D, D]) the kernel computes
     q~ = q H itself (qh unused) and returns (plain + rotated H, None): the rotation back, once per row.
-    validate=False skips the field checks (callers that pass a store's own fields)."""
+    paged = (rows [N, Hkv, R, D], index [B, 2, t] int64, position): rows read in place through row ids n * R + r
+    (keys, values), after the dense segments (`kvarn.ops.decode`). validate=False skips the field, table and index
+    checks (callers that pass a store's own fields and checked their tables)."""
     if qs.device.type == "cpu" and (why := supported("packed_decode", qs.device)) is not None:
         raise RuntimeError(f"the fused CPU decode kernel is unavailable ({why})")
     b, h, _, d = qs.shape
@@ -165,7 +183,9 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
     if validate:
         keys.check("keys", d, tile)
         values.check("values", tile, d)
-        _check_table(block_table, n_blocks, min(keys.capacity, values.capacity))
+        check_table(block_table, n_blocks, min(keys.capacity, values.capacity))
+        if paged is not None:
+            check_paged(*paged, b)
     if block_table.dim() != 2 or block_table.shape[0] != b or n_blocks.shape != (b,):
         raise ValueError(f"block_table must be [B={b}, max_blocks] and n_blocks [B], got "
                          f"{tuple(block_table.shape)} and {tuple(n_blocks.shape)}")
@@ -186,7 +206,7 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
         values.tiles.fmt.rotation,
         _int32(block_table), _int32(n_blocks), tile, _int32(em).contiguous(), _f32(ek).contiguous(),
         _f32(ev).contiguous(), dk, dv, [p for _, _, p in dense], tiles_pos,
-        _EMPTY if bias is None else bias, length, float(softcap or 0.0), s)
+        _EMPTY if bias is None else bias, length, float(softcap or 0.0), s, *(paged or (_EMPTY, _EMPTY_LONG, 0)))
     return out_p, (out_r if out_r.numel() else None)
 
 
@@ -195,12 +215,13 @@ def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles
                      dense: Sequence[tuple[torch.Tensor, torch.Tensor, int]] = (), tiles_pos: int = 0,
                      bias: torch.Tensor | None = None, softcap: float | None = None,
                      exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     splits: int | None = None, validate: bool = True) -> torch.Tensor:
+                     splits: int | None = None, validate: bool = True,
+                     paged: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """softmax(q K^T * scaling [softcapped] + bias) V over packed tiles and dense segments (module docstring).
 
     query [B, Hq, L, D] (any float dtype; computed in float32) -> float32 [B, Hq, L, D]. Hq must be a multiple of the
     KV heads of the fields; dense (k, v, position): k, v [B, Hkv, t, D] at positions position.. of the bias's T axis;
-    tiles_pos: the position of tile 0."""
+    paged: rows read through an index (`decode_partial`); tiles_pos: the position of tile 0."""
     b, hq, length, d = query.shape
     hkv = keys.tiles.codes.shape[1]
     if hq % hkv:
@@ -210,7 +231,7 @@ def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles
     rotated = keys.rotate != "none" or values.rotate != "none"
     out, _ = decode_partial(q, None, keys, values, block_table, n_blocks, tile, length, dense, tiles_pos, bias,
                             softcap, exact, splits, hadamard_dense(d) if rotated else None,
-                            d ** -0.5 if scaling is None else scaling, validate)
+                            d ** -0.5 if scaling is None else scaling, validate, paged)
     return out.reshape(b, hq, length, d)
 
 

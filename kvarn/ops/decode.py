@@ -3,7 +3,9 @@
 Per batch row b and KV head h, M query rows q (row j*L + l = query head h*groups + j at position l) attend to
 
     packed tiles j < n_blocks[b] at block block_table[b, j] (positions tiles_pos + j*G ..), dense rows (dense_k[i],
-    dense_v[i] [B, H, t, D] at positions dense_pos[i] ..)
+    dense_v[i] [B, H, t, D] at positions dense_pos[i] ..), then, when paged_index is not empty, indexed rows
+    (paged_index [B, 2, t] int64 row ids n * R + r of keys (0) and values (1) in paged_rows [N, H, R, D], read as
+    paged_rows[n, h, r], at positions paged_pos ..: vLLM's fp slots read in place)
 
 Fields are read through (batch, head, block) element strides: field (b, h, j) starts at b*s_b + h*s_h +
 block_table[b, j]*s_n (the tile's own axes contiguous). A key tile (codes [D, G], rows = channels) stored as
@@ -62,8 +64,14 @@ def _flags(rotate: int, flag: torch.Tensor | None, shape: tuple[int, ...]) -> to
 
 def packed_decode_reference(q, qh, hadamard, scale, key_fields, key_strides, key_bits, key_rotate, value_fields,
                             value_strides, value_bits, value_rotate, block_table, n_blocks, tile, exact_map, exact_k,
-                            exact_v, dense_k, dense_v, dense_pos, tiles_pos, bias, length, softcap, splits):
+                            exact_v, dense_k, dense_v, dense_pos, tiles_pos, bias, length, softcap, splits,
+                            paged_rows, paged_index, paged_pos):
     b, h, m, d = q.shape
+    if paged_index.numel():  # rows through an index: row id n * R + r of paged_rows [N, H, R, D], one more segment
+        r = paged_rows.shape[2]
+        rows = paged_rows[paged_index // r, :, paged_index % r]  # [B, 2, t, H, D]
+        dense_k, dense_v = [*dense_k, rows[:, 0].transpose(1, 2)], [*dense_v, rows[:, 1].transpose(1, 2)]
+        dense_pos = [*dense_pos, paged_pos]
     g, n = tile, block_table.shape[1]
     used = torch.arange(n).view(1, n) < n_blocks.view(b, 1)  # [B, n]
     table = torch.where(used, block_table, 0)

@@ -13,7 +13,8 @@ kernel serves the call; `supported(seat, device)` gives the registered kernel's 
         registered by kvarn.quant.affine.
     kvarn::packed_decode(q, qh, hadamard, scale, key fields + strides, bits, rotate, value fields + strides, bits,
                          rotate, block_table, n_blocks, tile, exact map/keys/values, dense keys/values/positions,
-                         tiles_pos, bias, length, softcap, splits) -> (out_plain, out_rotated | [0])
+                         tiles_pos, bias, length, softcap, splits, paged rows/index/position) -> (out_plain,
+                         out_rotated | [0])
         the arguments of `kvarn.attention.launch.decode_partial`'s kernel call; default: `kvarn.ops.decode`.
 """
 
@@ -34,7 +35,8 @@ DECODE_SCHEMA = ("(Tensor q, Tensor qh, Tensor hadamard, float scale, Tensor[] k
                  "int key_bits, int key_rotate, Tensor[] value_fields, int[] value_strides, int value_bits, "
                  "int value_rotate, Tensor block_table, Tensor n_blocks, int tile, Tensor exact_map, Tensor exact_k, "
                  "Tensor exact_v, Tensor[] dense_k, Tensor[] dense_v, int[] dense_pos, int tiles_pos, Tensor bias, "
-                 "int length, float softcap, int splits) -> (Tensor, Tensor)")
+                 "int length, float softcap, int splits, Tensor paged_rows, Tensor paged_index, int paged_pos) "
+                 "-> (Tensor, Tensor)")
 
 torch.library.define("kvarn::tile_store", STORE_SCHEMA)
 torch.library.define("kvarn::packed_decode", DECODE_SCHEMA)

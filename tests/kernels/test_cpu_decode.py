@@ -22,6 +22,7 @@ import warnings
 import pytest
 import torch
 
+import kvarn.attention.launch as decode_mod
 import kvarn.kernels.cpu.build as build_mod
 from kvarn.attention import KVarNPast, packed_attention
 from kvarn.attention import fused as fused_mod
@@ -127,6 +128,51 @@ def test_half_dense_rows_read_as_they_are(dtype, seed):
     native = call([(kk, vv, p) for (kk, vv), p in zip(rows, pos)])
     widened = call([(kk.float(), vv.float(), p) for (kk, vv), p in zip(rows, pos)])
     assert torch.equal(native, widened)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_indexed_rows_read_in_place(dtype, seed):
+    """Rows read through an index (`paged=`: vLLM's fp slots [N, H, R, D], row ids n * R + r, keys and values from
+    different places, rows shared between batch rows) equal, bit for bit, the same rows gathered into a dense segment
+    at the same position (same arithmetic, same order); the seat's reference (kvarn.ops.decode) agrees to float32
+    rounding, and ids outside the rows are refused before the kernel reads them."""
+    from kvarn.ops.decode import packed_decode_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    b, hkv, d, g, n, t = 3, 2, 64, 64, 2, 70
+    k, v = make_inputs("heavy", b, hkv, n * g, d, gen), make_inputs("gauss", b, hkv, n * g, d, gen)
+    past = build_past("kvarn-auto-k2v2-g64", k, v, sink=0)
+    q = make_inputs("gauss", b, 3 * hkv, 1, d, gen)
+    rows = make_inputs("heavy", 5, hkv, 48, d, gen).to(dtype)  # [N, H, R, D]
+    index = torch.randint(0, 5 * 48, (b, 2, t), generator=gen)
+    index[1] = index[0]  # two batch rows reading the same rows
+    table, count = torch.arange(n, dtype=torch.int32).expand(b, n), torch.tensor([2, 1, 2], dtype=torch.int32)
+    bias = torch.zeros(b, 1, 1, n * g + t)
+    bias[2, ..., n * g + 50:] = float("-inf")  # padding, as the batched decode masks it
+    keys, values = PackedTiles.cache(past.keys.packed), PackedTiles.cache(past.values.packed)
+
+    def call(**kw):
+        return decode_attention(q, keys, values, table, count, g, tiles_pos=0, bias=bias, splits=2, **kw)
+
+    inplace = call(paged=(rows, index, n * g))
+    got = rows[index // 48, :, index % 48]  # [B, 2, t, H, D]
+    gathered = call(dense=[(got[:, 0].transpose(1, 2), got[:, 1].transpose(1, 2), n * g)])
+    assert torch.equal(inplace, gathered)
+    seen = []
+    real = decode_mod.SEAT
+    decode_mod.SEAT = lambda *a: seen.append(a) or real(*a)
+    try:
+        call(paged=(rows, index, n * g))
+    finally:
+        decode_mod.SEAT = real
+    ref, kern = packed_decode_reference(*seen[0])[0], real(*seen[0])[0]
+    assert float((ref - kern).abs().max()) <= 1e-5 * (1 + float(ref.abs().max()))
+    bad = index.clone()
+    bad[0, 1, 3] = 5 * 48
+    with pytest.raises(ValueError, match="outside"):
+        call(paged=(rows, bad, n * g))
+    with pytest.raises(ValueError, match="int64"):
+        call(paged=(rows, index.int(), n * g))
 
 
 def test_auto_rotation_mixed_flags(seed):

@@ -19,8 +19,8 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
      - for all decode rows of the step, ONE call of the fused C++ kernel (`batched_decode`, through
        `kvarn.attention.launch`): batch rows = requests, each with its block-table row and tile count, the packed
        fields read in place from the pool's zero-copy views (`LayerPool.key_fields` / `value_fields`,
-       [num_blocks, H, ...], stride_batch 0, `PackedTiles.pool`); the sink and current-block rows gathered from the
-       fp slots by one indexed read as one dense segment per row, padding masked. A layer holding a block kept
+       [num_blocks, H, ...], stride_batch 0, `PackedTiles.pool`); the sink and current-block rows read in place
+       from the fp slots through their row ids (the kernel's indexed rows: no copy), padding masked. A layer holding a block kept
        exact (rare) serves its decode rows by the per-request paths below instead;
      - the fused kernel per request and query block for other decode-like pieces (<= `fused.MAX_QUERIES` queries
        per head: the short last piece of a chunk) with at least one packed block: sink blocks, blocks kept exact and
@@ -406,7 +406,9 @@ class DecodeBatch:
     Per row b the kernel reads packed tiles table[b, :n_blocks[b]] (logical blocks ns_b .. j-1, at positions 0 ..
     of the bias) and one dense segment (at position max_tiles * G): the exact sink rows (ns_b leading sink blocks
     with an fp slot, padded to sink_blocks * G) then the current block's rows 0 .. p (padded to the batch's
-    longest), read from `LayerPool.rows` at (dense_blk, dense_sub); bias masks the padding with -inf."""
+    longest), read from `LayerPool.rows` at (dense_blk, dense_sub) in place (the CPU kernel's indexed rows,
+    `dense_index`) or gathered (Triton); bias masks the padding with -inf. The table and the index are checked
+    against the pool once here (`launch.check_table`, `launch.check_paged`), so the per-layer calls skip it."""
 
     requests: list[int]
     request_set: frozenset[int]
@@ -415,6 +417,7 @@ class DecodeBatch:
     write_sub: torch.Tensor
     dense_blk: torch.Tensor  # [B, 2, t]
     dense_sub: torch.Tensor
+    dense_index: torch.Tensor  # [B, 2, t] int64 row ids dense_blk * R + dense_sub: the kernel reads `rows` in place
     table: torch.Tensor  # [B, max_tiles] int32
     n_blocks: torch.Tensor  # [B] int32
     tiles_len: int  # max_tiles * G: the dense segment's position
@@ -496,13 +499,16 @@ def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
         done_blk, done_sub = pool.slot_rows(torch.tensor(done_slots).view(-1, 1, 1), kinds, torch.arange(g))
     else:
         done_blk = done_sub = torch.zeros(0, 2, g, dtype=torch.long)
+    dense_index = (dense_blk * pool.rows_per_block + dense_sub).contiguous()
+    kernel.check_table(table, n_blocks, pool.key_fields.codes.shape[0])
+    kernel.check_paged(pool.rows, dense_index, tiles_len, b)
     dev = pool.rows.device  # built on the host once per step, then moved once for every layer
 
     def to(t: torch.Tensor) -> torch.Tensor:
         return t.to(dev, non_blocking=True)
 
     return DecodeBatch(reqs, frozenset(reqs), to(torch.tensor(tok)), to(write_blk), to(write_sub), to(dense_blk),
-                       to(dense_sub), to(table), to(n_blocks), tiles_len, to(bias), sb * g,
+                       to(dense_sub), to(dense_index), to(table), to(n_blocks), tiles_len, to(bias), sb * g,
                        to(torch.tensor(ns, dtype=torch.int32)), to(cur_row_t.to(torch.int32) + 1), done, done_where,
                        to(done_blk), to(done_sub))
 
@@ -511,14 +517,16 @@ def batched_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, scale: 
                    softcap: float | None) -> torch.Tensor:
     """One kernel call for every decode row of the step: q [B, Hq, D] -> float32 [B, Hq, D]; the kernel of the
     pool's device (`decode_kernel`)."""
-    kv = pool.rows[batch.dense_blk, :, batch.dense_sub]  # [B, 2, t, H, D]: sinks and current blocks, one gather
-    k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # [B, H, t, D], unit stride on D
     if decode_kernel(pool.rows.device) == "triton":
+        kv = pool.rows[batch.dense_blk, :, batch.dense_sub]  # [B, 2, t, H, D]: sinks and current blocks, one gather
+        k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # [B, H, t, D], unit stride on D
         return triton_decode(pool, batch, q, k, v, scale, softcap)
+    # the sink and current-block rows read in place through their row ids; fields, table and index checked once per
+    # step by `_build_batch`
     out = kernel.decode_attention(q[:, :, None], kernel.PackedTiles.pool(pool.key_fields),
                                   kernel.PackedTiles.pool(pool.value_fields), batch.table, batch.n_blocks,
-                                  pool.layout.tile, scaling=scale, dense=[(k, v, batch.tiles_len)], tiles_pos=0,
-                                  bias=batch.bias, softcap=softcap)
+                                  pool.layout.tile, scaling=scale, tiles_pos=0, bias=batch.bias, softcap=softcap,
+                                  validate=False, paged=(pool.rows, batch.dense_index, batch.tiles_len))
     return out[:, :, 0]
 
 

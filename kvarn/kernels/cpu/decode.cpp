@@ -3,7 +3,7 @@
 // One work item = (batch row b, KV head h, context split s). It walks its tiles through the block table, computes the
 // logits of all M = groups * L query rows of the KV head straight from the 2/4-bit codes, keeps an online softmax
 // state (max, sum, two value accumulators: tiles stored rotated and plain), and the last split also walks the dense
-// segments (sink, tail, fresh tokens). The splits of a (b, h) are then combined exactly:
+// segments (sink, tail, fresh tokens) and the indexed rows (vLLM's fp slots, read in place through row ids). The splits of a (b, h) are then combined exactly:
 //     m* = max_s m_s,  l = sum_s exp(m_s - m*) l_s,  acc = sum_s exp(m_s - m*) acc_s,  out = acc / l  (0 if l = 0).
 //
 // Codes of a row are packed in planes (kvarn/ops/packing.py): byte j of a row of C codes holds codes j + k * C/per,
@@ -317,6 +317,11 @@ struct Job {
   const float *ek, *ev;
   std::vector<at::Tensor> dk, dv;
   std::vector<int64_t> dpos;
+  // rows read in place through an index (vLLM's fp slots): prows [N, H, R, D]; pidx [B, 2, pt] row ids n * R + r of
+  // keys (0) and values (1), at positions ppos..
+  at::Tensor prows;
+  const int64_t* pidx = nullptr;
+  int64_t pt = 0, ppos = 0, pR = 0, psN = 0, psH = 0, psR = 0;
   int64_t tiles_pos;
   const float* bias;
   int64_t bs0, bs1, bs2, bheads;
@@ -349,16 +354,16 @@ inline const float* row_f32(const T* src, int D, float* buf) {
   }
 }
 
-// Dense rows K, V (row strides ks, vs, elements of type T) at positions pos.., plain basis, in chunks of the logit
-// buffer.
-template <typename T>
-void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, const T* K, int64_t ks,
-                const T* V, int64_t vs, int64_t n, int64_t pos, float* s, int ss, float* rowbuf) {
+// Dense rows (key_at(i), value_at(i): row i's elements of type T) at positions pos.., plain basis, in chunks of the
+// logit buffer.
+template <typename T, typename KAt, typename VAt>
+void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, KAt key_at, VAt value_at, int64_t n,
+                int64_t pos, float* s, int ss, float* rowbuf) {
   const int M = J.M, D = J.D;
   for (int64_t c0 = 0; c0 < n; c0 += ss) {
     const int cn = static_cast<int>(std::min<int64_t>(ss, n - c0));
     for (int i = 0; i < cn; ++i) {
-      const float* k = row_f32(K + (c0 + i) * ks, D, rowbuf);
+      const float* k = row_f32<T>(key_at(c0 + i), D, rowbuf);
       for (int m = 0; m < M; ++m) {
         float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         int d = 0;
@@ -376,7 +381,7 @@ void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, c
       bool any = false;
       for (int m = 0; m < M; ++m) any |= s[m * ss + i] != 0.f;
       if (!any) continue;
-      const float* v = row_f32(V + (c0 + i) * vs, D, rowbuf);
+      const float* v = row_f32<T>(value_at(c0 + i), D, rowbuf);
       for (int m = 0; m < M; ++m) {
         const float p = s[m * ss + i];
         if (p == 0.f) continue;
@@ -387,22 +392,53 @@ void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, c
   }
 }
 
+// Rows at K + i * ks, V + i * vs.
+template <typename T>
+void strided_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, const T* K, int64_t ks, const T* V,
+                  int64_t vs, int64_t n, int64_t pos, float* s, int ss, float* rowbuf) {
+  dense_rows<T>(J, b, h, st, q, [=](int64_t i) { return K + i * ks; }, [=](int64_t i) { return V + i * vs; }, n, pos,
+                s, ss, rowbuf);
+}
+
 // One dense segment (k, v [B, H, t, D] of float32, fp16 or bf16, unit stride on D) of row b, head h.
 void dense_segment(const Job& J, int64_t b, int64_t h, State& st, const float* q, const at::Tensor& k,
                    const at::Tensor& v, int64_t pos, float* s, int ss, float* rowbuf) {
   const int64_t ko = b * k.stride(0) + h * k.stride(1), vo = b * v.stride(0) + h * v.stride(1);
   switch (k.scalar_type()) {
     case at::kHalf:
-      dense_rows(J, b, h, st, q, k.data_ptr<at::Half>() + ko, k.stride(2), v.data_ptr<at::Half>() + vo, v.stride(2),
-                 k.size(2), pos, s, ss, rowbuf);
+      strided_rows(J, b, h, st, q, k.data_ptr<at::Half>() + ko, k.stride(2), v.data_ptr<at::Half>() + vo,
+                   v.stride(2), k.size(2), pos, s, ss, rowbuf);
       break;
     case at::kBFloat16:
-      dense_rows(J, b, h, st, q, k.data_ptr<at::BFloat16>() + ko, k.stride(2), v.data_ptr<at::BFloat16>() + vo,
-                 v.stride(2), k.size(2), pos, s, ss, rowbuf);
+      strided_rows(J, b, h, st, q, k.data_ptr<at::BFloat16>() + ko, k.stride(2), v.data_ptr<at::BFloat16>() + vo,
+                   v.stride(2), k.size(2), pos, s, ss, rowbuf);
       break;
     default:
-      dense_rows(J, b, h, st, q, k.data_ptr<float>() + ko, k.stride(2), v.data_ptr<float>() + vo, v.stride(2),
-                 k.size(2), pos, s, ss, rowbuf);
+      strided_rows(J, b, h, st, q, k.data_ptr<float>() + ko, k.stride(2), v.data_ptr<float>() + vo, v.stride(2),
+                   k.size(2), pos, s, ss, rowbuf);
+  }
+}
+
+// The indexed rows of batch row b (Job::prows), read in place: row i of keys at prows[id / R, h, id % R].
+template <typename T>
+void indexed_rows_t(const Job& J, int64_t b, int64_t h, State& st, const float* q, float* s, int ss, float* rowbuf) {
+  const T* base = J.prows.data_ptr<T>() + h * J.psH;
+  const int64_t *ki = J.pidx + b * 2 * J.pt, *vi = ki + J.pt;
+  const int64_t R = J.pR, sN = J.psN, sR = J.psR;
+  dense_rows<T>(J, b, h, st, q, [=](int64_t i) { return base + ki[i] / R * sN + ki[i] % R * sR; },
+                [=](int64_t i) { return base + vi[i] / R * sN + vi[i] % R * sR; }, J.pt, J.ppos, s, ss, rowbuf);
+}
+
+void indexed_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, float* s, int ss, float* rowbuf) {
+  switch (J.prows.scalar_type()) {
+    case at::kHalf:
+      indexed_rows_t<at::Half>(J, b, h, st, q, s, ss, rowbuf);
+      break;
+    case at::kBFloat16:
+      indexed_rows_t<at::BFloat16>(J, b, h, st, q, s, ss, rowbuf);
+      break;
+    default:
+      indexed_rows_t<float>(J, b, h, st, q, s, ss, rowbuf);
   }
 }
 
@@ -494,7 +530,7 @@ std::vector<at::Tensor> decode_attention(
     const at::Tensor& exact_map, const at::Tensor& exact_k, const at::Tensor& exact_v,
     const std::vector<at::Tensor>& dense_k, const std::vector<at::Tensor>& dense_v,
     const std::vector<int64_t>& dense_pos, int64_t tiles_pos, const at::Tensor& bias, int64_t L, double softcap,
-    int64_t splits) {
+    int64_t splits, const at::Tensor& paged_rows, const at::Tensor& paged_index, int64_t paged_pos) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "kvarn decode: q float32 [B,H,M,D]");
   Job J;
   J.B = q.size(0);
@@ -534,6 +570,23 @@ std::vector<at::Tensor> decode_attention(
   J.dk = dense_k;
   J.dv = dense_v;
   J.dpos = dense_pos;
+  if (paged_index.numel()) {
+    const auto t = paged_rows.scalar_type();
+    TORCH_CHECK((t == at::kFloat || t == at::kHalf || t == at::kBFloat16) && paged_rows.dim() == 4 &&
+                    paged_rows.size(1) == J.H && paged_rows.size(3) == J.D && paged_rows.stride(3) == 1,
+                "kvarn decode: paged rows must be float32, float16 or bfloat16 [N, H, R, D] with unit stride on D");
+    TORCH_CHECK(paged_index.scalar_type() == at::kLong && paged_index.is_contiguous() && paged_index.dim() == 3 &&
+                    paged_index.size(0) == J.B && paged_index.size(1) == 2,
+                "kvarn decode: paged index must be contiguous int64 [B, 2, t]");
+    J.prows = paged_rows;
+    J.pidx = paged_index.data_ptr<int64_t>();
+    J.pt = paged_index.size(2);
+    J.ppos = paged_pos;
+    J.pR = paged_rows.size(2);
+    J.psN = paged_rows.stride(0);
+    J.psH = paged_rows.stride(1);
+    J.psR = paged_rows.stride(2);
+  }
   J.tiles_pos = tiles_pos;
   J.bias = bias.numel() ? bias.data_ptr<float>() : nullptr;
   if (J.bias) {
@@ -573,8 +626,8 @@ std::vector<at::Tensor> decode_attention(
         const int64_t pos = J.tiles_pos + j * J.G;
         const int32_t e = J.emap ? J.emap[(b * H + h) * J.emap_blocks + j] : -1;
         if (e >= 0) {  // kept exact (non-finite input): its exact copy, in the plain basis
-          dense_rows(J, b, h, st, qp, J.ek + e * J.G * D, D, J.ev + e * J.G * D, D, J.G, pos, sc.s.data(), ss,
-                     rowbuf.data());
+          strided_rows(J, b, h, st, qp, J.ek + e * J.G * D, D, J.ev + e * J.G * D, D, J.G, pos, sc.s.data(), ss,
+                       rowbuf.data());
         } else {
           packed_tile(J, b, h, J.bt[b * J.bt_stride + j], st, sc, pos, qp, qr);
         }
@@ -582,6 +635,7 @@ std::vector<at::Tensor> decode_attention(
       if (s == S - 1) {
         for (size_t i = 0; i < J.dk.size(); ++i)
           dense_segment(J, b, h, st, qp, J.dk[i], J.dv[i], J.dpos[i], sc.s.data(), ss, rowbuf.data());
+        if (J.pidx) indexed_rows(J, b, h, st, qp, sc.s.data(), ss, rowbuf.data());
       }
       std::memcpy(pmx + item * M, st.mx.data(), M * 4);
       std::memcpy(pl + item * M, st.l.data(), M * 4);

@@ -10,7 +10,7 @@ std::vector<at::Tensor> decode_attention(
     const at::Tensor& n_blocks, int64_t tile, const at::Tensor& exact_map, const at::Tensor& exact_k,
     const at::Tensor& exact_v, const std::vector<at::Tensor>& dense_k, const std::vector<at::Tensor>& dense_v,
     const std::vector<int64_t>& dense_pos, int64_t tiles_pos, const at::Tensor& bias, int64_t L, double softcap,
-    int64_t splits);
+    int64_t splits, const at::Tensor& paged_rows, const at::Tensor& paged_index, int64_t paged_pos);
 
 std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t bits, bool channel,
                                     int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,

@@ -35,8 +35,13 @@ def unsupported(q: torch.Tensor, key_bits: int, value_bits: int, tile: int, bias
 
 def packed_decode(q, qh, hadamard, scale, key_fields, key_strides, key_bits, key_rotate, value_fields, value_strides,
                   value_bits, value_rotate, block_table, n_blocks, tile, exact_map, exact_k, exact_v, dense_k,
-                  dense_v, dense_pos, tiles_pos, bias, length, softcap, splits):
+                  dense_v, dense_pos, tiles_pos, bias, length, softcap, splits, paged_rows, paged_index, paged_pos):
     from kvarn.kernels.triton import ops
+
+    if paged_index.numel():  # indexed rows: gathered here into one more dense region
+        r = paged_rows.shape[2]
+        rows = paged_rows[paged_index // r, :, paged_index % r]  # [B, 2, t, H, D]
+        dense_k, dense_v = [*dense_k, rows[:, 0].transpose(1, 2)], [*dense_v, rows[:, 1].transpose(1, 2)]
 
     keys = ops.TileFields.strided(key_fields, key_strides, key_bits, key_rotate, "channel")
     values = ops.TileFields.strided(value_fields, value_strides, value_bits, value_rotate, "token")
