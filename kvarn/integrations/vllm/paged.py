@@ -20,8 +20,8 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
        `kvarn.attention.launch`): batch rows = requests, each with its block-table row and tile count, the packed
        fields read in place from the pool's zero-copy views (`LayerPool.key_fields` / `value_fields`,
        [num_blocks, H, ...], stride_batch 0, `PackedTiles.pool`); the sink and current-block rows read in
-       place from the fp slots through their row ids (the kernel's indexed rows: no copy), padding masked. A layer holding a block kept
-       exact (rare) serves its decode rows by the per-request paths below instead;
+       place from the fp slots through their row ids (the kernel's indexed rows: no copy), padding masked. A
+       layer holding a block kept exact (rare) serves its decode rows by the per-request paths below instead;
      - the fused kernel per request and query block for other decode-like pieces (<= `fused.MAX_QUERIES` queries
        per head: the short last piece of a chunk) with at least one packed block: sink blocks, blocks kept exact and
        block j's rows are its dense segments;
