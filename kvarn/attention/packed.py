@@ -259,6 +259,12 @@ def _use_fused(query: torch.Tensor, past: KVarNPast | None) -> bool:
     return past is not None and fused.take(fused.unsupported(query, past.keys, past.values))
 
 
+def decodes_past(rows: int, softcap: float | None) -> bool:
+    """Whether the PyTorch path serves `rows` query rows per KV head (query heads per KV head x queries) by decoding
+    the stored past densely (`_decoded_sdpa`) rather than folding the tiles into the logits."""
+    return softcap is None and rows > FOLD_MAX_ROWS
+
+
 def _decoded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast, ok: torch.Tensor,
                   add: torch.Tensor | None, scale: float, cd: torch.dtype) -> torch.Tensor:
     """Many query rows (prefill chunks): the stored layer decoded once (`StoredKV.dequantized(dense=True)`, a
@@ -295,7 +301,7 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                                                           query.device)
         return fused.fused_attention(query, key, value, past.keys, past.values, ok, attention_mask, scale, softcap)
     ok = allowed(attention_mask, b, length, kv_len, query.device)
-    if past is not None and softcap is None and g * length > FOLD_MAX_ROWS:
+    if past is not None and decodes_past(g * length, softcap):
         return _decoded_sdpa(query, key, value, past, ok, _additive(attention_mask), scale, cd)
     add = _additive(attention_mask)
     # queries regrouped per KV head: row j*L + l of head kv is query head kv*g + j at position l

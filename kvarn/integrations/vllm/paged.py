@@ -64,7 +64,7 @@ import torch
 
 from kvarn.attention import fused
 from kvarn.attention import launch as kernel
-from kvarn.attention.packed import KVarNPast, allowed, packed_attention
+from kvarn.attention.packed import KVarNPast, allowed, decodes_past, packed_attention
 from kvarn.attention.view import StoredKV
 from kvarn.cache.store import fits_dtype
 from kvarn.integrations.vllm.pool import LayerPool, RequestPlan, StepPlan
@@ -377,6 +377,8 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
     if batched:
         output[batch.token_rows] = batched_decode(pool, batch, query[batch.token_rows], scale,
                                                   softcap).to(output.dtype)
+    decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request -> its past decoded once (prefill pieces)
+    groups = query.shape[1] // pool.geo.num_kv_heads
     for i, p, j, rows, _ in _pieces(plan, g):
         if batch is not None and i in batch.request_set:
             if batched:
@@ -386,10 +388,31 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
         k, v = exact[(i, j)]
         out = fused_piece(pool, p, j, plan.sink_blocks, q, k[None], v[None], scale, softcap, plan, layer)
         if out is None:
-            past = past_view(pool, p, j, plan.sink_blocks, query.dtype, plan, layer)
+            if j and decodes_past(groups * q.shape[2], softcap):
+                past = _decoded_past(pool, plan, p, i, j, query.dtype, layer, decoded)
+            else:
+                past = past_view(pool, p, j, plan.sink_blocks, query.dtype, plan, layer)
             out = packed_attention(q, k[None], v[None], None if past is None else KVarNPast(*past), None, scale,
                                    softcap, kernel=False)  # [1, L, Hq, D]
         output[rows] = out[0]
+
+
+def _decoded_past(pool: LayerPool, plan: StepPlan, p: RequestPlan, i: int, j: int, dtype: torch.dtype, layer: str,
+                  decoded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[StoredKV, StoredKV]:
+    """`past_view(.., j, ..)` for a prefill piece that `packed_attention` serves by decoding its past densely
+    (`_decoded_sdpa`: many query rows, no soft cap), as exact rows: blocks [0, j) of request i decoded ONCE per
+    step and layer (up to the request's last block touched in this step, every block before it stored already) and
+    sliced per piece, instead of decoding blocks 0 .. j-1 again for every piece j of a long prompt. The rows are
+    `past_view(..).dequantized(float32, dense=True)`, what `_decoded_sdpa` would compute from the packed view, so
+    the attention is the same to the bit."""
+    if i not in decoded:
+        last = (p.length - 1) // pool.layout.tile  # the last block this step touches: its past is every stored one
+        full = past_view(pool, p, last, plan.sink_blocks, dtype, plan, layer)
+        decoded[i] = (full[0].dequantized(torch.float32, dense=True), full[1].dequantized(torch.float32, dense=True))
+    lay, h = pool.layout, pool.geo.num_kv_heads
+    n = j * lay.tile
+    return tuple(StoredKV(x[:, :, :n], Tiles(), 0, None, _NO_EXACT, None, q, (1, h, lay.head_dim), dtype)
+                 for x, q in zip(decoded[i], (lay.key_q, lay.value_q)))
 
 
 def _slot_rows(pool: LayerPool, p: RequestPlan, j: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

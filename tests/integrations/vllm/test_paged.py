@@ -437,6 +437,58 @@ def test_mixed_batch_matches_oracle(read_path, monkeypatch) -> None:
         assert sizes == [3, 4, 5, 5, 5], sizes
 
 
+@pytest.mark.parametrize("sink_blocks", [0, 1, 2])
+def test_prefill_pieces_decode_their_past_once(sink_blocks: int, monkeypatch) -> None:
+    """Prefill pieces that `packed_attention` serves by decoding the past densely (more than FOLD_MAX_ROWS query rows
+    per KV head; lowered to 8 here so G = 16 pieces qualify) read their request's past decoded once per step and
+    layer: long chunks over many stored blocks, a block kept exact among them (a huge key) and a prefix hit
+    match the float64 oracle (1e-4, module docstring); every output equals, bit for bit, the run in which each piece
+    builds and decodes its own packed view (`past_view`); the view is built once per request and step (4 here, for
+    14 such pieces)."""
+    import kvarn.attention.packed as packed_mod
+
+    monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
+    monkeypatch.setenv("KVARN_KERNEL", "torch")
+    real_view, real_once = paged.past_view, paged._decoded_past
+
+    def run(once: bool) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+        views, decodes = [], []  # past_view calls; per decoded piece, the views it built
+
+        def counted(*a):
+            before = len(views)
+            out = real_once(*a)
+            decodes.append(len(views) - before)
+            return out
+
+        with monkeypatch.context() as m:
+            m.setattr(paged, "past_view", lambda *a, **k: views.append(1) or real_view(*a, **k))
+            m.setattr(paged, "_decoded_past", counted if once else
+                      lambda pool, plan, p, i, j, dtype, layer, decoded:
+                      decodes.append(1) or real_view(pool, p, j, plan.sink_blocks, dtype, plan, layer))
+            gen = torch.Generator().manual_seed(5)
+            eng = Engine(sink_blocks=sink_blocks)
+            eng.poison["a"] = [(3 * G + 2, "k", 1, 0, 3e7)]  # block 3 kept exact (its fp16 scale overflows)
+            eng.add("a")
+            outs = []
+            for work in ({"a": 5 * G + 3},  # one chunk over five blocks: pieces j = 0 .. 5
+                         {"a": 1, "b": 3 * G},  # b: a prefix hit on a's first four blocks, then long chunks
+                         {"b": 2 * G + 7, "a": 4 * G}):
+                if "b" in work and "b" not in eng.blocks:
+                    eng.add("b", shared_from=("a", 4))
+                    eng.exact["b"] = {3}
+                outs.append(eng.step(work, gen))
+                if once:
+                    _check(eng, outs[-1])
+        return outs, decodes
+
+    once, decodes = run(True)
+    each, pieces = run(False)
+    for a, b in zip(once, each):
+        for rid in a:
+            assert torch.equal(a[rid], b[rid]), rid
+    assert len(pieces) == len(decodes) == 14 and sum(decodes) == 4, (pieces, decodes)
+
+
 @pytest.mark.parametrize("sink_blocks", [1, 2])
 def test_batched_decode_equals_per_request_kernel_calls(sink_blocks: int, monkeypatch) -> None:
     """The one-call batched decode equals the per-request kernel calls it replaces: identical page bytes (the same
