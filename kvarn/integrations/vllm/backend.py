@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
 import torch
@@ -168,6 +168,15 @@ class KVarNAttentionSpec(FullAttentionSpec):
     code runs there before, so that is where the scheduler's max_num_seqs is capped (`cap_max_num_seqs`)."""
 
     kvarn_max_num_seqs: int | None = None
+
+    @classmethod
+    def merge(cls, specs: list[Any]) -> KVarNAttentionSpec:
+        """vLLM merges a group's layer specs into one (every uniform model: all its layers) by rebuilding it from
+        the base fields: the sequence cap is carried over (the smallest), or the engine core's scheduler would never
+        be capped and would schedule more sequences than the fp pool holds."""
+        merged = super().merge(specs)
+        caps = [s.kvarn_max_num_seqs for s in specs if getattr(s, "kvarn_max_num_seqs", None) is not None]
+        return replace(merged, kvarn_max_num_seqs=min(caps)) if caps else merged
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         if self.kvarn_max_num_seqs is not None:
