@@ -2,12 +2,14 @@
 rows of SmolLM2-135M's geometry (3 KV heads, 9 query heads, D = 64, bf16, G = 128, one sink block, contexts of about
 515 to 565 tokens) over a page pool of real packed tiles.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile]
+    PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile] [--repeat N]
 
 Prints the CPU time (`time.process_time`, so a shared machine's load does not enter; 1 thread) per layer of each
 call and x 30 layers, and of the prompts' store (8 prompts of ~540 tokens: 32 completed blocks encoded in one call,
 kvarn-auto's query statistics updated first, as the backend's forward does); --profile adds cProfile's top lines
-(wall time) of 10 layer-steps. Used for docs/VLLM.md.
+(wall time) of 10 layer-steps; --repeat N runs N more attend calls after the timing, for a sampling profiler
+(`perf record -o /tmp/p.data ... --repeat 3000`, then `perf report -i /tmp/p.data --dsos kvarn_cpu_decode.so
+--sort symbol`: where the C++ kernel spends its time). Used for docs/VLLM.md.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ H, HQ, D, G, R, LAYERS = 3, 9, 64, 128, 8, 30
 
 
 def main() -> None:
-    preset = next((a for a in sys.argv[1:] if not a.startswith("--")), "kvarn-k2v2-g128")
+    args = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--") and sys.argv[i] != "--repeat"]
+    preset = args[0] if args else "kvarn-k2v2-g128"
     torch.manual_seed(0)
     torch.set_num_threads(1)
     lay = TileLayout(get_preset(preset), D, torch.bfloat16)
@@ -69,6 +72,8 @@ def main() -> None:
     print(f"{preset}: per layer write {write:.3f} ms, attend {attend:.3f} ms (CPU time); x{LAYERS} layers = "
           f"{LAYERS * (write + attend):.1f} ms per step; the prompts' store {prefill:.1f} ms per layer "
           f"({LAYERS * prefill:.0f} ms x{LAYERS})")
+    if "--repeat" in sys.argv:
+        step(int(sys.argv[sys.argv.index("--repeat") + 1]))
     if "--profile" in sys.argv:
         prof = cProfile.Profile()
         prof.runcall(step, 10)

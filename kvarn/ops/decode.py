@@ -62,16 +62,22 @@ def _flags(rotate: int, flag: torch.Tensor | None, shape: tuple[int, ...]) -> to
     return torch.full(shape, rotate == 1, dtype=torch.bool)
 
 
+def indexed_rows(rows: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seat's indexed rows gathered: rows [N, H, R, D], index [B, 2, t] row ids n * R + r -> keys, values
+    [B, H, t, D] (rows[n, h, r] for the ids of kind 0 and 1)."""
+    r = rows.shape[2]
+    kv = rows[index // r, :, index % r]  # [B, 2, t, H, D]
+    return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
+
+
 def packed_decode_reference(q, qh, hadamard, scale, key_fields, key_strides, key_bits, key_rotate, value_fields,
                             value_strides, value_bits, value_rotate, block_table, n_blocks, tile, exact_map, exact_k,
                             exact_v, dense_k, dense_v, dense_pos, tiles_pos, bias, length, softcap, splits,
                             paged_rows, paged_index, paged_pos):
     b, h, m, d = q.shape
-    if paged_index.numel():  # rows through an index: row id n * R + r of paged_rows [N, H, R, D], one more segment
-        r = paged_rows.shape[2]
-        rows = paged_rows[paged_index // r, :, paged_index % r]  # [B, 2, t, H, D]
-        dense_k, dense_v = [*dense_k, rows[:, 0].transpose(1, 2)], [*dense_v, rows[:, 1].transpose(1, 2)]
-        dense_pos = [*dense_pos, paged_pos]
+    if paged_index.numel():  # the indexed rows: one more dense segment
+        pk, pv = indexed_rows(paged_rows, paged_index)
+        dense_k, dense_v, dense_pos = [*dense_k, pk], [*dense_v, pv], [*dense_pos, paged_pos]
     g, n = tile, block_table.shape[1]
     used = torch.arange(n).view(1, n) < n_blocks.view(b, 1)  # [B, n]
     table = torch.where(used, block_table, 0)

@@ -131,7 +131,7 @@ def test_half_dense_rows_read_as_they_are(dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_indexed_rows_read_in_place(dtype, seed):
+def test_indexed_rows_read_in_place(dtype, seed, monkeypatch):
     """Rows read through an index (`paged=`: vLLM's fp slots [N, H, R, D], row ids n * R + r, keys and values from
     different places, rows shared between batch rows) equal, bit for bit, the same rows gathered into a dense segment
     at the same position (same arithmetic, same order); the seat's reference (kvarn.ops.decode) agrees to float32
@@ -160,11 +160,9 @@ def test_indexed_rows_read_in_place(dtype, seed):
     assert torch.equal(inplace, gathered)
     seen = []
     real = decode_mod.SEAT
-    decode_mod.SEAT = lambda *a: seen.append(a) or real(*a)
-    try:
+    with monkeypatch.context() as m:  # the seat's arguments as the call passes them
+        m.setattr(decode_mod, "SEAT", lambda *a: seen.append(a) or real(*a))
         call(paged=(rows, index, n * g))
-    finally:
-        decode_mod.SEAT = real
     ref, kern = packed_decode_reference(*seen[0])[0], real(*seen[0])[0]
     assert float((ref - kern).abs().max()) <= 1e-5 * (1 + float(ref.abs().max()))
     bad = index.clone()

@@ -69,6 +69,7 @@ from kvarn.attention.view import StoredKV
 from kvarn.cache.store import fits_dtype
 from kvarn.integrations.vllm.pool import LayerPool, RequestPlan, StepPlan
 from kvarn.ops import dispatch
+from kvarn.ops.decode import indexed_rows
 from kvarn.quant.policy import kernel_weighted
 from kvarn.quant.tiles import Tiles
 
@@ -429,18 +430,17 @@ class DecodeBatch:
     Per row b the kernel reads packed tiles table[b, :n_blocks[b]] (logical blocks ns_b .. j-1, at positions 0 ..
     of the bias) and one dense segment (at position max_tiles * G): the exact sink rows (ns_b leading sink blocks
     with an fp slot, padded to sink_blocks * G) then the current block's rows 0 .. p (padded to the batch's
-    longest), read from `LayerPool.rows` at (dense_blk, dense_sub) in place (the CPU kernel's indexed rows,
-    `dense_index`) or gathered (Triton); bias masks the padding with -inf. The table and the index are checked
-    against the pool once here (`launch.check_table`, `launch.check_paged`), so the per-layer calls skip it."""
+    longest), read from `LayerPool.rows` through their row ids `dense_index` in place (the CPU kernel's indexed
+    rows) or gathered (Triton: `kvarn.ops.decode.indexed_rows`); bias masks the padding with -inf. The table and
+    the index are checked against the pool once here (`launch.check_table`, `launch.check_paged`), so the
+    per-layer calls skip it."""
 
     requests: list[int]
     request_set: frozenset[int]
     token_rows: torch.Tensor  # [B] rows of the step's [T, ...] tensors
     write_blk: torch.Tensor  # [B, 2] (K, V) where the fresh rows go in `LayerPool.rows`
     write_sub: torch.Tensor
-    dense_blk: torch.Tensor  # [B, 2, t]
-    dense_sub: torch.Tensor
-    dense_index: torch.Tensor  # [B, 2, t] int64 row ids dense_blk * R + dense_sub: the kernel reads `rows` in place
+    dense_index: torch.Tensor  # [B, 2, t] int64 row ids n * R + r into `LayerPool.rows` [N, H, R, D]
     table: torch.Tensor  # [B, max_tiles] int32
     n_blocks: torch.Tensor  # [B] int32
     tiles_len: int  # max_tiles * G: the dense segment's position
@@ -522,7 +522,7 @@ def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
         done_blk, done_sub = pool.slot_rows(torch.tensor(done_slots).view(-1, 1, 1), kinds, torch.arange(g))
     else:
         done_blk = done_sub = torch.zeros(0, 2, g, dtype=torch.long)
-    dense_index = (dense_blk * pool.rows_per_block + dense_sub).contiguous()
+    dense_index = (dense_blk * pool.rows_per_block + dense_sub).contiguous()  # [B, 2, t]
     kernel.check_table(table, n_blocks, pool.key_fields.codes.shape[0])
     kernel.check_paged(pool.rows, dense_index, tiles_len, b)
     dev = pool.rows.device  # built on the host once per step, then moved once for every layer
@@ -530,8 +530,8 @@ def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
     def to(t: torch.Tensor) -> torch.Tensor:
         return t.to(dev, non_blocking=True)
 
-    return DecodeBatch(reqs, frozenset(reqs), to(torch.tensor(tok)), to(write_blk), to(write_sub), to(dense_blk),
-                       to(dense_sub), to(dense_index), to(table), to(n_blocks), tiles_len, to(bias), sb * g,
+    return DecodeBatch(reqs, frozenset(reqs), to(torch.tensor(tok)), to(write_blk), to(write_sub), to(dense_index),
+                       to(table), to(n_blocks), tiles_len, to(bias), sb * g,
                        to(torch.tensor(ns, dtype=torch.int32)), to(cur_row_t.to(torch.int32) + 1), done, done_where,
                        to(done_blk), to(done_sub))
 
@@ -541,8 +541,7 @@ def batched_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, scale: 
     """One kernel call for every decode row of the step: q [B, Hq, D] -> float32 [B, Hq, D]; the kernel of the
     pool's device (`decode_kernel`)."""
     if decode_kernel(pool.rows.device) == "triton":
-        kv = pool.rows[batch.dense_blk, :, batch.dense_sub]  # [B, 2, t, H, D]: sinks and current blocks, one gather
-        k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # [B, H, t, D], unit stride on D
+        k, v = indexed_rows(pool.rows, batch.dense_index)  # [B, H, t, D]: sinks and current blocks, one gather
         return triton_decode(pool, batch, q, k, v, scale, softcap)
     # the sink and current-block rows read in place through their row ids; fields, table and index checked once per
     # step by `_build_batch`

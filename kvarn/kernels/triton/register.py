@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvarn.ops import seats
+from kvarn.ops.decode import indexed_rows
 
 
 def unsupported(q: torch.Tensor, key_bits: int, value_bits: int, tile: int, bias: torch.Tensor, softcap: float,
@@ -39,9 +40,8 @@ def packed_decode(q, qh, hadamard, scale, key_fields, key_strides, key_bits, key
     from kvarn.kernels.triton import ops
 
     if paged_index.numel():  # indexed rows: gathered here into one more dense region
-        r = paged_rows.shape[2]
-        rows = paged_rows[paged_index // r, :, paged_index % r]  # [B, 2, t, H, D]
-        dense_k, dense_v = [*dense_k, rows[:, 0].transpose(1, 2)], [*dense_v, rows[:, 1].transpose(1, 2)]
+        pk, pv = indexed_rows(paged_rows, paged_index)
+        dense_k, dense_v = [*dense_k, pk], [*dense_v, pv]
 
     keys = ops.TileFields.strided(key_fields, key_strides, key_bits, key_rotate, "channel")
     values = ops.TileFields.strided(value_fields, value_strides, value_bits, value_rotate, "token")
