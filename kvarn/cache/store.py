@@ -55,7 +55,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from kvarn.cache.allocation import OUTPUT_ROWS, KeyAllocation, output_gain, promotion_gain
+from kvarn.cache.allocation import OUTPUT_ROWS, KeyAllocation, output_gains, promotion_gains
 from kvarn.cache.buffer import Buffer, PackedBuffer
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.cache_policy import CachePolicy
@@ -611,15 +611,16 @@ class LayerStore:
         if self.layer in a.scores or ks.tail is None or ks.n_tiles or not ks._ready(ks.tail.shape[2]):
             return
         w = self.queries.weight() if self.queries is not None else None
+        highs = (a.high, a.mid) if a.scores_mid else (a.high,)
         if a.rule == "output" and self._recent_q is not None:
             if self._recent_q.shape[2] < min(OUTPUT_ROWS, ks.length - ks.tiles_start):
                 return  # fewer queries than keys past the sink: wait for more (decoding one token at a time)
-            gain = output_gain(self._recent_q, ks.full(), self.values.full(), ks.tiles_start, w, a.low, a.high,
-                               OUTPUT_ROWS)
+            gains = output_gains(self._recent_q, ks.full(), self.values.full(), ks.tiles_start, w, a.low, highs,
+                                 OUTPUT_ROWS)
             self._recent_q = None
         else:
-            gain = promotion_gain(ks.tail[:, :, :a.low.tile], w, a.low, a.high)
-        a.report(self.layer, gain)
+            gains = promotion_gains(ks.tail[:, :, :a.low.tile], w, a.low, highs)
+        a.report(self.layer, *gains)
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.settle()

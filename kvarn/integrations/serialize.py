@@ -240,6 +240,8 @@ def load_cache(path: str | PathLike, config, preset: Preset | str | None = None,
         try:
             for layer_idx, score in saved_alloc["scores"].items():
                 alloc.scores[int(layer_idx)] = float(score)
+            for layer_idx, score in saved_alloc.get("mid_scores", {}).items():
+                alloc.mid_scores[int(layer_idx)] = float(score)
             if saved_alloc["promoted"] is not None:
                 alloc.decide(saved_alloc["promoted"], saved_alloc.get("middle") or ())
         except (KeyError, TypeError, ValueError) as e:

@@ -396,7 +396,8 @@ class KVarNCache(Cache):
         self.key_allocation = None if p.key_high is None or not quantized else KeyAllocation(
             quantized, p.promoted_layers(len(quantized)), p.quantizers(self.head_dim)[0], p.key_high(self.head_dim),
             str(p.params.get("rule", "output")), None if p.key_mid is None else p.key_mid(self.head_dim),
-            p.mid_layers(len(quantized), self.head_dim))
+            p.mid_layers(len(quantized), self.head_dim), "best" if p.picks_best else "rank",
+            p.key_splits(len(quantized), self.head_dim) if p.picks_best else ())
         if self.key_allocation is not None:
             kv = (self.key_allocation.low, p.quantizers(self.head_dim)[1])
         layers: list = []

@@ -129,6 +129,25 @@ class Preset:
         up_mid = self.key_mid(head_dim).bits_per_element(head_dim) - low
         return min(int((self.promote * n - n_high) * up_high / up_mid + 1e-9), n - n_high)
 
+    def key_splits(self, quantized_layers: int, head_dim: int = 128) -> tuple[tuple[int, int], ...]:
+        """Every (h, m) with h layers at `key_high` and m at `key_mid` whose added key bits stay within what `promote`
+        x n layers at `key_high` add (the budget; key bits from stored bytes at `head_dim`): the splits a budget
+        preset with `params["pick"] == "best"` chooses among per request (`kvarn.cache.allocation.best_split`)."""
+        n = quantized_layers
+        if self.key is None or self.key_high is None:
+            return ((0, 0),)
+        low = self.key(head_dim).bits_per_element(head_dim)
+        up_high = self.key_high(head_dim).bits_per_element(head_dim) - low
+        up_mid = 0.0 if self.key_mid is None else self.key_mid(head_dim).bits_per_element(head_dim) - low
+        budget = self.promote * n * up_high * (1 + 1e-9)
+        return tuple((h, m) for h in range(n + 1) for m in range(n + 1 - h if up_mid > 0 else 1)
+                     if h * up_high + m * up_mid <= budget)
+
+    @property
+    def picks_best(self) -> bool:
+        """Whether the split between `key_high` and `key_mid` layers is chosen per request (`key_splits`)."""
+        return self.params.get("pick") == "best"
+
     def bits_per_element(self, head_dim: int, num_layers: int | None = None) -> float:
         """Bits per cached K/V element of the quantized region, measured from stored bytes.
 
@@ -147,7 +166,9 @@ class Preset:
                 kb += self.promote * up_high
             else:
                 up_mid = 0.0 if self.key_mid is None else self.key_mid(head_dim).bits_per_element(head_dim) - kb
-                kb += (self.promoted_layers(n_q) * up_high + self.mid_layers(n_q, head_dim) * up_mid) / n_q
+                splits = (self.key_splits(n_q, head_dim) if self.picks_best else
+                          ((self.promoted_layers(n_q), self.mid_layers(n_q, head_dim)),))
+                kb += max(h * up_high + m * up_mid for h, m in splits) / n_q  # pick "best": the most it may spend
         b = (kb + vq.bits_per_element(head_dim)) / 2
         if num_layers is not None and any(self.fp_layers):
             n_fp = min(num_layers, sum(self.fp_layers))

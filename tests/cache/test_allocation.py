@@ -11,10 +11,20 @@ tests/integrations/test_transformers.py (packed vs reference reads, 1e-3 relativ
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from kvarn.cache.allocation import RULES, KeyAllocation, output_gain, promotion_gain
+from kvarn.cache.allocation import (
+    RULES,
+    KeyAllocation,
+    best_split,
+    output_gain,
+    output_gains,
+    promotion_gain,
+    promotion_gains,
+)
 from kvarn.integrations.serialize import load_cache, save_cache
 from kvarn.integrations.transformers import KVarNCache, KVarNLayer
 from kvarn.presets import get_preset
@@ -234,3 +244,111 @@ def test_output_rule_decides_when_decoding_one_token_at_a_time(seed):
     forward_steps(model, ids[:, 136:], cache, [1, 1])
     assert sorted(cache.allocation()["key_bits"]) == [2, 4]
     assert all(la.store.keys.n_tiles == 1 for la in cache.layers)
+
+
+def mid_quantizer(d: int = 64):
+    return affine_preset("kvarn-auto", 3, 2, 128).quantizers(d)[0]
+
+
+def test_best_split_is_the_exhaustive_optimum(seed):
+    """pick "best": over every assignment of six layers to 2/3/4-bit keys whose (h, m) the budget allows, the dynamic
+    program's choice reaches the largest summed gain (brute force over 3^6 assignments); concentrated gains buy 4-bit
+    layers, spread ones twice as many 3-bit layers."""
+    layers = [0, 2, 3, 5, 6, 8]
+    splits = budget_preset(3.0, pick="best").key_splits(len(layers))
+    assert (4, 0) in splits and (0, 8 - 2) in splits and (2, 4) in splits and (3, 3) not in splits
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(20):
+        high = {i: float(x) for i, x in zip(layers, torch.randn(6, generator=gen, dtype=torch.float64).exp() - 0.3)}
+        mid = {i: high[i] * float(f) for i, f in zip(layers, torch.rand(6, generator=gen, dtype=torch.float64) + 0.2)}
+        best = -float("inf")
+        for widths in itertools.product((0, 1, 2), repeat=6):  # 0: low, 1: mid, 2: high
+            if (widths.count(2), widths.count(1)) in splits:
+                best = max(best, sum(high[i] if w == 2 else mid[i] if w == 1 else 0.0 for i, w in zip(layers, widths)))
+        hs, ms = best_split(layers, high, mid, splits)
+        assert (len(hs), len(ms)) in splits and not set(hs) & set(ms)
+        assert sum(high[i] for i in hs) + sum(mid[i] for i in ms) == pytest.approx(best, rel=1e-12, abs=1e-12), trial
+    tight = budget_preset(2.5, pick="best").key_splits(len(layers))  # one 4-bit layer or two 3-bit ones
+    assert set(tight) == {(0, 0), (0, 1), (0, 2), (1, 0)}
+    spread = {i: 1.0 for i in layers}
+    assert best_split(layers, spread, {i: 0.8 for i in layers}, tight) == ((), (0, 2))  # ties: the lower layers
+    peaked = {**spread, 3: 10.0, 6: 2.0}
+    assert best_split(layers, peaked, {i: 0.8 * g for i, g in peaked.items()}, tight) == ((3,), ())
+
+
+def test_pick_best_reports_both_widths_and_keeps_the_budget():
+    """The allocation under pick "best": a layer reports its gains at 4 and 3 bits, the decision is the best split;
+    every allowed split spends at most the budget (stored bytes, scales included, heads of 64 and 128), the preset's
+    bits count the most it may spend, and a preset without a mid width or splits is refused."""
+    low, high, mid = *quantizers(), mid_quantizer()
+    p = budget_preset(2.5, pick="best")
+    a = KeyAllocation([0, 1, 2, 3], 1, low, high, mid=mid, pick="best", splits=p.key_splits(6, 64))
+    assert a.splits == {(0, 0), (0, 1), (0, 2), (1, 0)} and a.scores_mid
+    with pytest.raises(ValueError, match="mid width too"):
+        a.report(0, 1.0)
+    for layer, (g4, g3) in enumerate([(1.0, 0.9), (3.0, 1.2), (0.1, 0.05), (2.0, 1.9)]):
+        a.report(layer, g4, g3)
+    assert a.promoted == frozenset() and a.middle == {1, 3}  # 1.2 + 1.9 > 3.0, the best single 4-bit layer
+    assert a.report_dict()["pick"] == "best" and a.report_dict()["mid_scores"]["3"] == 1.9
+    with pytest.raises(ValueError, match="distinct layers"):
+        a.decide([1], [0])
+    a.decide([1])
+    assert [a.quantizer(i).config.bits for i in range(4)] == [2, 4, 2, 2]
+    for name in ("kvarn-b2.5", "kvarn-b3.0"):
+        rank, best = get_preset(name), budget_preset(float(name[7:]), pick="best")
+        for n in (3, 4, 24, 30):
+            for d in (64, 128):
+                kq, vq = rank.quantizers(d)
+                k_lo, v = kq.bits_per_element(d), vq.bits_per_element(d)
+                up4, up3 = (f(d).bits_per_element(d) - k_lo for f in (rank.key_high, rank.key_mid))
+                splits = best.key_splits(n, d)
+                assert (rank.promoted_layers(n), rank.mid_layers(n, d)) in splits
+                most = max((k_lo + (h * up4 + m * up3) / n + v) / 2 for h, m in splits)
+                assert most <= rank.bits_per_element(d) + 1e-9  # within the budget at the promote share
+                assert best.bits_per_element(d, n) == pytest.approx(most, rel=1e-12)
+                assert best.bits_per_element(d, n) >= rank.bits_per_element(d, n) - 1e-12
+    with pytest.raises(ValueError, match="needs a mid width"):
+        budget_preset(2.5, pick="best", mid=None)
+    with pytest.raises(ValueError, match="needs splits"):
+        KeyAllocation([0, 1], 0, low, high, mid=mid, pick="best")
+
+
+def test_gains_at_several_widths_are_the_single_gains(seed):
+    """One scoring pass for both widths gives the same numbers as one pass per width (the "best" pick reads both)."""
+    low, high, mid = *quantizers(), mid_quantizer()
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, 2, 300, 64, generator=gen) * (torch.rand(64, generator=gen) * 3 + 0.2)
+    v, q = torch.randn(1, 2, 300, 64, generator=gen), torch.randn(1, 4, 40, 64, generator=gen) * 2
+    w = torch.rand(1, 2, 64, generator=gen) + 0.1
+    assert output_gains(q, k, v, 128, w, low, (high, mid)) == (output_gain(q, k, v, 128, w, low, high),
+                                                                output_gain(q, k, v, 128, w, low, mid))
+    tile = k[:, :, 128:256]
+    assert promotion_gains(tile, w, low, (high, mid)) == (promotion_gain(tile, w, low, high),
+                                                         promotion_gain(tile, w, low, mid))
+    g4, g3 = output_gains(q, k, v, 128, w, low, (high, mid))
+    assert g4 > g3 > 0  # 4-bit keys remove more of the 2-bit error than 3-bit keys
+
+
+def test_pick_best_in_a_model_reads_packed_as_reference_and_saves(tmp_path, seed):
+    """A 2-layer model at 3.0 bits under pick "best": the split is one 4-bit layer or both at 3 bits, whichever sums
+    the larger gain; packed reads match reference reads (1e-3 relative) and a saved cache restores the decision and
+    both widths' scores."""
+    model = make_tiny_model("llama", head_dim=64)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (1, 158), generator=gen)
+    preset = budget_preset(3.0, pick="best", name="kvarn-b3.0-best")
+    ref_cache = KVarNCache(model.config, preset, sink=8, attention="reference")
+    ref = forward_steps(model, ids, ref_cache, [150, 5, 1])
+    cache = KVarNCache(model.config, preset, sink=8)
+    got = forward_steps(model, ids, cache, [150, 5, 1])
+    assert close(got, ref, rel=1e-3), f"max diff {(got - ref).abs().max()}"
+    a = cache.key_allocation
+    assert a.splits == {(0, 0), (0, 1), (0, 2), (1, 0)}
+    want = [4, 2] if max(a.scores.values()) >= sum(a.mid_scores.values()) else [3, 3]
+    bits = cache.allocation()["key_bits"]
+    assert sorted(bits, reverse=True) == want and bits == ref_cache.allocation()["key_bits"]
+    save_cache(cache, tmp_path / "c.safetensors")
+    back = load_cache(tmp_path / "c.safetensors", model.config, preset=preset)
+    assert back.key_allocation.report_dict() == a.report_dict()
+    more = ids[:, 156:]
+    assert torch.equal(forward_steps(model, more, cache, [1, 1]), forward_steps(model, more, back, [1, 1]))

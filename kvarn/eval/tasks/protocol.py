@@ -80,7 +80,8 @@ def new_cache(model, method: str, sink: int | None = None):
 
 def cache_held(cache) -> dict[str, Any]:
     """The share of the cached tokens held in quantized tiles (mean over the layers that quantize, keys and values
-    apart) and the bits per element from stored bytes where the cache reports them. KVarNCache: the store regions
+    apart), the bits per element from stored bytes where the cache reports them and, for budget presets, the key bits
+    of each layer (`KVarNCache.allocation`). KVarNCache: the store regions
     (sink | tiles | tail) of each layer; QuantizedCache: tokens beyond its residual window; DynamicCache: 0."""
     keys, values, tokens = [], [], 0
     for layer in getattr(cache, "layers", []):
@@ -106,6 +107,8 @@ def cache_held(cache) -> dict[str, Any]:
         b = cache.nbytes()
         out["bits_per_element"] = b.bits_per_element
         out["bytes"] = b.total
+    if getattr(cache, "key_allocation", None) is not None:  # budget presets: the key bits each layer was given
+        out["key_bits"] = cache.allocation()["key_bits"]
     return out
 
 
