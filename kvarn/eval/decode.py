@@ -70,6 +70,15 @@ def rotation_shares(cache) -> dict:
     return out
 
 
+def cache_record(cache) -> dict:
+    """What a run records of its cache at the end: the rotation shares (`rotation_shares`) and, for budget presets,
+    the key bits each layer was given (`KVarNCache.allocation`)."""
+    out: dict = {"rotated": rotation_shares(cache)}
+    if getattr(cache, "key_allocation", None) is not None:
+        out["key_bits"] = cache.allocation()["key_bits"]
+    return out
+
+
 def run_record(tr: Trace, bits: float, last: int) -> dict:
     kl, top1 = tr.positions("kl"), tr.positions("top1").double()
     return {
@@ -77,7 +86,8 @@ def run_record(tr: Trace, bits: float, last: int) -> dict:
         "cache_bytes": tr.nbytes.as_dict(), "seconds": tr.seconds,
         "kl": kl.tolist(), "top1": top1.tolist(),
         "summary": {"kl_mean": float(kl.mean()), "kl_last": float(kl[-last:].mean()), "top1": float(top1.mean())},
-        "rotated": tr.extra,
+        "rotated": tr.extra.get("rotated", {}),
+        **({"key_bits": tr.extra["key_bits"]} if "key_bits" in tr.extra else {}),
     }
 
 
@@ -103,6 +113,8 @@ def summary_markdown(result: dict) -> str:
                       f"overall {sum(vals) / len(vals):.2f}:\n\n")
             md.append(markdown_table(["layer", "rotated share"], [[i, " / ".join(f"{s:.2f}" for s in layer)]
                                                                   for i, layer in enumerate(shares) if layer]))
+        if r.get("key_bits"):
+            md.append(f"\n{r['method']}: key bits per layer {r['key_bits']}\n")
     return "".join(md)
 
 
@@ -120,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--offset must be >= 0, got {args.offset}")
     ids = load_tokens(tok, args.text, args.max_len, offset_chars=args.offset)
     specs = [RunSpec(p.name, p, "cumulative") for p in presets]
-    _, traces = run_blocks(model, ids, specs, 1, sink=args.sink, desc=COMMAND, inspect=rotation_shares)
+    _, traces = run_blocks(model, ids, specs, 1, sink=args.sink, desc=COMMAND, inspect=cache_record)
     d, n_layers, n_quant = head_dim(model), len(decoder_layers(model)), quantizable_layers(model)
     sink = args.sink if args.sink is not None else sorted({p.sink for p in presets})
     result = {

@@ -153,3 +153,19 @@ def test_budget_bits_count_the_quantized_layers_only():
     cache = KVarNCache(model.config, p)
     assert cache.key_allocation.count == p.promoted_layers(quantizable_layers(model)) == 2
     assert p.bits_per_element(64, 3) != p.bits_per_element(64, 4)
+
+
+def test_runs_record_the_budget_allocation(seed):
+    """A run's record of its cache: the rotation shares always, the key bits per layer for budget presets only."""
+    from kvarn.eval.decode import cache_record
+    from kvarn.integrations.transformers import KVarNCache
+    from tests.helpers import forward_steps, make_tiny_model
+
+    model = make_tiny_model("llama", head_dim=64)
+    ids = torch.randint(3, 256, (1, 152), generator=torch.Generator().manual_seed(seed))
+    budget, auto = (KVarNCache(model.config, name, sink=8) for name in ("kvarn-b3.0", "kvarn-auto-k2v2-g128"))
+    for cache in (budget, auto):
+        forward_steps(model, ids, cache, [150, 1, 1])
+    rec = cache_record(budget)
+    assert rec["key_bits"] == budget.allocation()["key_bits"] and sorted(rec["key_bits"]) == [2, 4]
+    assert set(cache_record(auto)) == {"rotated"} and cache_record(auto)["rotated"]["keys"]
