@@ -3,9 +3,9 @@ k2v2, G = 128.
 
 Families: `kvarn` (Hadamard + VarN), `kvarn-auto` (rotation chosen per tile), `rtn` (plain RTN, KIVI
 orientation, same tiles), `hadamard` (rotation only), `varn` (normalization only), and `fp16`. The budget family
-`kvarn-b{bits}` (issue 20) is kvarn-auto k2v2 whose keys go to 4 bits in the layers an online score picks
-(`kvarn.cache.allocation`, rule "output"; docs/TASKS.md measures it beside rule "logit"), as many as keep the
-average at or under `bits` per element at head_dim 128.
+`kvarn-b{bits}` (issue 20) is kvarn-auto k2v2 whose keys go to 4 or 3 bits in the layers an online score picks
+(`kvarn.cache.allocation`, rule "output", pick "best": version 3; docs/TASKS.md measures it beside rule "logit"
+and pick "rank"), within an average of `bits` per element at head_dim 128.
 `PRESETS` lists them as (name, factory, aliases); the registry (`kvarn.presets.registry`) registers them beside the
 baselines' (`kvarn.quant.baselines`).
 """
@@ -96,7 +96,7 @@ def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str 
     return dataclasses.replace(low, name=name or f"kvarn-b{bits}", description=desc, family="kvarn-budget",
                                key_high=top.key, promote=share, k_bits=round(2 + (high - 2) * share, 4),
                                key_mid=None if mid is None else affine_preset("kvarn-auto", mid, 2, tile).key,
-                               params=params, version=2 if mid is not None else 1)
+                               params=params, version=3 if pick == "best" else 2 if mid is not None else 1)
 
 
 def _entries() -> tuple[Entry, ...]:
@@ -115,7 +115,7 @@ def _entries() -> tuple[Entry, ...]:
         out.append((name, lambda kb=kb, vb=vb, n=name: affine_preset("kvarn", kb, vb, 128, n, torch.float8_e4m3fn),
                     ()))
     for b in BUDGETS:
-        out.append((f"kvarn-b{b}", lambda b=b: budget_preset(b), ()))
+        out.append((f"kvarn-b{b}", lambda b=b: budget_preset(b, pick="best"), ()))
     out.append(("fp16", lambda: Preset("fp16", "no quantization (the reference)", None, None, family="fp16"), ()))
     return tuple(out)
 
