@@ -15,8 +15,8 @@ import json
 import torch
 from budget_variants import register_variants
 
+from kvarn.eval.forward import forward_block, inference, quantized_cache
 from kvarn.eval.text import load_tokens
-from kvarn.integrations.transformers import KVarNCache
 from kvarn.models import load_model
 
 
@@ -33,17 +33,19 @@ def main() -> None:
     register_variants()
     model, tok = load_model(args.model)
     ids = load_tokens(tok, args.text, args.max_len)
-    caches = {m: KVarNCache(model.config, m) for m in args.methods.split(",")}
-    with torch.inference_mode():
-        for name, cache in caches.items():
-            for t in range(ids.shape[1]):
-                model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-                if cache.key_allocation is None or cache.key_allocation.decided:
-                    break
+    with inference(model):
+        for name in args.methods.split(","):
+            cache = quantized_cache(model, name)  # the decode protocol's cache (its read path, the preset's sink)
+            if cache.key_allocation is None:
+                raise SystemExit(f"{name} is not a budget preset (no key allocation)")
+            t = 0
+            while t < ids.shape[1] and not cache.key_allocation.decided:
+                forward_block(model, ids[:, t:t + 1], cache)
+                t += 1
             rep = cache.allocation()
             budget = rep["budget"] or {}
             bits = [b for b in rep["key_bits"] if b is not None]
-            print(json.dumps({"method": name, "tokens": t + 1, "key_bits": rep["key_bits"],
+            print(json.dumps({"method": name, "tokens": t, "key_bits": rep["key_bits"],
                               "layers_at": {w: bits.count(w) for w in sorted(set(bits))},
                               "high": budget.get("promoted"), "mid": budget.get("middle")}))
 

@@ -1,6 +1,7 @@
 """Paired comparison of two methods over task records (`samples.jsonl` of `kvarn eval tasks`, several files merged
 by sample): accuracy (McNemar) and the mean difference of the gold log-probability per token, with a bootstrap 95%
-interval (`kvarn.eval.tasks.stats`, seed 0). `--rename OLD=NEW` reads a method of the files under another name.
+interval (`kvarn.eval.tasks.table.compare`, as `kvarn eval tasks` pairs a method with full precision; seed 0).
+`--rename OLD=NEW` reads a method of the files under another name.
 
     python scripts/paired_records.py kvarn-b2.5-best kvarn-b2.5 docs/tasks/budget-mk4k-s1.samples.jsonl \
         docs/tasks/budget-mk4k-s1-best.samples.jsonl
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvarn.eval.tasks.stats import bootstrap_mean, paired
+from kvarn.eval.tasks.table import compare
 
 
 def main() -> None:
@@ -22,18 +23,18 @@ def main() -> None:
     ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW")
     args = ap.parse_args()
     names = dict(r.split("=", 1) for r in args.rename)
-    recs: dict[tuple[str, str], dict] = {}
+    by_method: dict[str, dict[str, dict]] = {args.a: {}, args.b: {}}
     for path in args.files:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
-                recs[(r["key"], names.get(r["method"], r["method"]))] = r
-    keys = sorted({k for k, m in recs if m == args.a} & {k for k, m in recs if m == args.b})
+                by_method.get(names.get(r["method"], r["method"]), {})[r["key"]] = r
+    mine, other = by_method[args.a], by_method[args.b]
+    keys = sorted(mine.keys() & other.keys())
     if not keys:
         raise SystemExit(f"no sample has records of both {args.a!r} and {args.b!r}")
-    d = [recs[(k, args.a)]["gold_logprob_per_token"] - recs[(k, args.b)]["gold_logprob_per_token"] for k in keys]
-    mean, lo, hi = bootstrap_mean(d, 0)
-    acc = paired([recs[(k, args.a)]["correct"] for k in keys], [recs[(k, args.b)]["correct"] for k in keys])
+    vs = compare(mine, other, keys)
+    (mean, lo, hi), acc = vs["delta"], vs["paired"]
     print(f"{args.a} - {args.b} over {len(keys)} samples: gold log-prob/token {mean:+.4f} [{lo:+.4f}, {hi:+.4f}]; "
           f"correct only {args.a}: {acc['only_a']}, only {args.b}: {acc['only_b']} "
           f"(McNemar p = {acc['mcnemar_p']:.3g})")

@@ -124,7 +124,8 @@ class KeyAllocation:
     pick       "rank": the `count` largest high gains take `high`, the next `mid_count` take `mid`;
                "best": each layer also scores `mid`, and of the `splits` (h, m) the budget allows (`Preset.key_splits`),
                the layers maximizing the summed gains take h x `high` and m x `mid` (`best_split`): 3-bit keys in
-               twice the layers where the loss is spread, 4-bit keys where it is concentrated
+               twice the layers where the loss is spread, 4-bit keys where it is concentrated (`count` and
+               `mid_count` are then the splits' largest)
     """
 
     def __init__(self, layers: Sequence[int], count: int, low: TileQuantizer, high: TileQuantizer,
@@ -140,8 +141,8 @@ class KeyAllocation:
                 raise ValueError(f"pick 'best' needs splits (high, mid) of {len(layers)} layers, got {splits}")
             if mid is None and any(m for _, m in splits):
                 raise ValueError("splits with mid layers need the mid quantizer")
-            count, mid_count = max(h for h, _ in splits), max(m for _, m in splits)
-        if not 0 <= count <= len(layers) or not 0 <= mid_count <= len(layers) - count * (pick == "rank"):
+            count, mid_count = max(h for h, _ in splits), max(m for _, m in splits)  # the most of each width
+        elif not 0 <= count <= len(layers) or not 0 <= mid_count <= len(layers) - count:
             raise ValueError(f"cannot promote {count} + {mid_count} of {len(layers)} layers")
         if mid_count and mid is None:
             raise ValueError("mid_count needs the mid quantizer")

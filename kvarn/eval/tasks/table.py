@@ -48,14 +48,21 @@ def summarize(records: list[dict], seed: int = 0) -> list[dict]:
         if full is not None and method != FULL_PRECISION:
             both = [k for k in mine if k in full]
             if both:
-                row["vs_full"] = paired([mine[k]["correct"] for k in both], [full[k]["correct"] for k in both])
-                row["agreement"] = sum(mine[k]["answer"] == full[k]["answer"] for k in both) / len(both)
-                deltas = [mine[k]["gold_logprob_per_token"] - full[k]["gold_logprob_per_token"] for k in both
-                          if mine[k]["gold_logprob_per_token"] is not None
-                          and full[k]["gold_logprob_per_token"] is not None]
-                row["gold_logprob_delta"] = list(bootstrap_mean(deltas, seed)) if deltas else None
+                vs = compare(mine, full, both, seed)
+                row["vs_full"], row["agreement"], row["gold_logprob_delta"] = vs["paired"], vs["agreement"], vs["delta"]
         rows.append(row)
     return rows
+
+
+def compare(mine: dict[str, dict], other: dict[str, dict], keys: list[str], seed: int = 0) -> dict:
+    """Two methods' records of the same samples (key -> record), paired over `keys` in that order: "paired"
+    (accuracy difference, discordant counts, McNemar p), "agreement" (identical answers) and "delta" (mean gold
+    log-probability per token of mine minus other, bootstrap 95% interval; None without gold)."""
+    deltas = [mine[k]["gold_logprob_per_token"] - other[k]["gold_logprob_per_token"] for k in keys
+              if mine[k]["gold_logprob_per_token"] is not None and other[k]["gold_logprob_per_token"] is not None]
+    return {"paired": paired([mine[k]["correct"] for k in keys], [other[k]["correct"] for k in keys]),
+            "agreement": sum(mine[k]["answer"] == other[k]["answer"] for k in keys) / len(keys),
+            "delta": list(bootstrap_mean(deltas, seed)) if deltas else None}
 
 
 def _mean(values: list) -> float | None:
