@@ -2,12 +2,13 @@
 rows of SmolLM2-135M's geometry (3 KV heads, 9 query heads, D = 64, bf16, G = 128, one sink block, contexts of about
 515 to 565 tokens) over a page pool of real packed tiles.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile] [--repeat N]
+    PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile] [--repeat N] [--rounds N]
 
 Prints the CPU time (`time.process_time`, so a shared machine's load does not enter; 1 thread) per layer of each
 call and x 30 layers, and of the prompts' store (8 prompts of ~540 tokens: 32 completed blocks encoded in one call,
 kvarn-auto's query statistics updated first, as the backend's forward does); --profile adds cProfile's top lines
-(wall time) of 10 layer-steps; --repeat N runs N more attend calls after the timing, for a sampling profiler
+(wall time) of 10 layer-steps; --rounds N times N rounds of 30 steps and reports the median (min and max
+beside it); --repeat N runs N more attend calls after the timing, for a sampling profiler
 (`perf record -o /tmp/p.data ... --repeat 3000`, then `perf report -i /tmp/p.data --dsos kvarn_cpu_decode.so
 --sort symbol`: where the C++ kernel spends its time). Used for docs/VLLM.md.
 """
@@ -30,7 +31,8 @@ H, HQ, D, G, R, LAYERS = 3, 9, 64, 128, 8, 30
 
 
 def main() -> None:
-    args = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--") and sys.argv[i] != "--repeat"]
+    args = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--") and sys.argv[i] not in ("--repeat",
+                                                                                                    "--rounds")]
     preset = args[0] if args else "kvarn-k2v2-g128"
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -45,8 +47,10 @@ def main() -> None:
                       [b[:-(-n // G)] for b, n in zip(blocks, lens)])
     for q_ in (lay.key_q, lay.value_q):  # load the store kernel before timing
         q_.encode_tiles(torch.randn(2, G, D), torch.ones(2, D) if q_.takes_weight else None)
+    queries = torch.randn(sum(lens), HQ, D).bfloat16()
     t0 = time.process_time()
-    paged.observe_queries(pool, torch.randn(sum(lens), HQ, D).bfloat16())  # kvarn-auto: before the store
+    paged.observe_queries(pool, queries)  # kvarn-auto: before the store
+    observe = (time.process_time() - t0) * 1e3
     paged.write_step(pool, plan, torch.randn(sum(lens), H, D).bfloat16(), torch.randn(sum(lens), H, D).bfloat16(),
                      "bench")  # the prompts: packed tiles, sinks and filling blocks
     prefill = (time.process_time() - t0) * 1e3
@@ -68,10 +72,15 @@ def main() -> None:
         return (time.process_time() - t1) / n * 1e3, (t1 - t0) / n * 1e3
 
     step(3)
-    attend, write = step(30)
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 1
+    times = sorted(step(30) for _ in range(rounds))  # by attend time
+    attend, write = times[len(times) // 2]  # the median round: a loaded machine's outliers left out
+    if rounds > 1:
+        print(f"attend per layer over {rounds} rounds of 30: min {times[0][0]:.3f}, median {attend:.3f}, "
+              f"max {times[-1][0]:.3f} ms")
     print(f"{preset}: per layer write {write:.3f} ms, attend {attend:.3f} ms (CPU time); x{LAYERS} layers = "
           f"{LAYERS * (write + attend):.1f} ms per step; the prompts' store {prefill:.1f} ms per layer "
-          f"({LAYERS * prefill:.0f} ms x{LAYERS})")
+          f"({LAYERS * prefill:.0f} ms x{LAYERS}), of which the query statistics {observe:.1f} ms")
     if "--repeat" in sys.argv:
         step(int(sys.argv[sys.argv.index("--repeat") + 1]))
     if "--profile" in sys.argv:

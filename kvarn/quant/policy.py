@@ -117,9 +117,16 @@ class QueryEnergy:
             raise ValueError(f"queries of shape {tuple(q.shape)} do not match the running statistics "
                              f"[B, Hk, D] = {tuple(self.sum.shape)}")
         w = q.detach() if q.dtype == torch.float64 else q.detach().float()
-        e = w.square().reshape(b, kv_heads, hq // kv_heads * t, d).sum(dim=2)  # [B, Hk, D]
-        self.sum = e if self.sum is None else self.sum + e
-        self.count += hq // kv_heads * t
+        self.accumulate(w.square().reshape(b, kv_heads, hq // kv_heads * t, d).sum(dim=2), hq // kv_heads * t)
+
+    def accumulate(self, squares: torch.Tensor, count: int) -> None:
+        """Add sums of squared queries already pooled per KV head, [B, Hk, D], over `count` (head, position) pairs:
+        for callers that hold the squares anyway (vLLM's backend checks them for non-finite values first)."""
+        if self.sum is not None and squares.shape != self.sum.shape:
+            raise ValueError(f"query sums of shape {tuple(squares.shape)} do not match the running statistics "
+                             f"[B, Hk, D] = {tuple(self.sum.shape)}")
+        self.sum = squares if self.sum is None else self.sum + squares
+        self.count += count
 
     def weight(self) -> torch.Tensor | None:
         return None if self.sum is None else self.sum / self.count

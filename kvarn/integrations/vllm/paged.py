@@ -125,6 +125,9 @@ def _pieces(plan: StepPlan, g: int):
             yield i, p, j, slice(t0 + lo - nc, t0 + hi - nc), hi
 
 
+OBSERVE_CHUNK = 512  # tokens of queries squared at a time (`observe_queries`)
+
+
 def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
     """query [T, Hq, D] (after RoPE, the step's queries as attention sees them) -> the layer's running query energy,
     before `write_step` quantizes this step's completed key tiles (so a prompt's own queries count for its tiles, as
@@ -133,13 +136,20 @@ def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
     e = pool.queries
     if e is None or not query.shape[0]:
         return
-    # the mean is the engine's, for good: one request's non-finite queries (or squares) must not poison it
-    keep = torch.isfinite(query.float().square()).flatten(1).all(1)
-    if not bool(keep.all()):  # those tokens are left out
-        query = query[keep]
-        if not query.shape[0]:
-            return
-    e.update(query.transpose(0, 1).unsqueeze(0), pool.geo.num_kv_heads)  # [1, Hq, T, D]: heads and positions pooled
+    t, hq, d = query.shape
+    h = pool.geo.num_kv_heads
+    total, kept = None, 0
+    for c0 in range(0, t, OBSERVE_CHUNK):  # small float temporaries: a whole prompt's at once cost 40x the time
+        sq = query[c0:c0 + OBSERVE_CHUNK].float().square().flatten(1)  # [c, Hq * D]
+        s = sq.sum(0)
+        if not bool(torch.isfinite(s).all()):
+            # the mean is the engine's, for good: tokens with a non-finite query (or square) are left out
+            sq = sq[torch.isfinite(sq).all(1)]
+            s = sq.sum(0)
+        kept += sq.shape[0]
+        total = s if total is None else total + s
+    if kept:  # heads of a group and positions pooled
+        e.accumulate(total.view(h, hq // h, d).sum(1)[None], kept * (hq // h))
 
 
 def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,

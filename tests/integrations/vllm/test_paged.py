@@ -632,3 +632,21 @@ def test_auto_query_statistics_skip_non_finite_queries() -> None:
     assert e.count == 3 * HQ // H
     keep = q[[0, 2, 4]]
     torch.testing.assert_close(e.weight()[0], keep.square().view(3, H, HQ // H, D).sum((0, 2)) / e.count)
+
+
+def test_auto_query_statistics_over_several_chunks() -> None:
+    """A step longer than one chunk of `observe_queries` (a long prompt) gives the float64 mean of its finite
+    queries, a bad token in a later chunk left out and the earlier chunks' sums kept; a second step adds to it."""
+    eng = _auto_engine()
+    gen = torch.Generator().manual_seed(29)
+    t = 2 * paged.OBSERVE_CHUNK + 3
+    q = torch.randn(t, HQ, D, generator=gen).bfloat16()
+    q[paged.OBSERVE_CHUNK + 5, HQ - 1, 1] = float("inf")
+    q2 = torch.randn(7, HQ, D, generator=gen).bfloat16()
+    paged.observe_queries(eng.pool, q)
+    paged.observe_queries(eng.pool, q2)
+    keep = torch.cat([q[torch.arange(t) != paged.OBSERVE_CHUNK + 5], q2]).double()
+    e = eng.pool.queries
+    assert e.count == keep.shape[0] * (HQ // H)
+    want = keep.square().view(-1, H, HQ // H, D).sum((0, 2)) / e.count
+    torch.testing.assert_close(e.weight()[0].double(), want, rtol=1e-5, atol=0)  # float32 sums of ~3e3 terms
