@@ -1,10 +1,16 @@
-"""The fused fast path of `packed_attention`: a stored past handed to the CPU kernel (kvarn.kernels.cpu).
+"""The fused fast path of `packed_attention`: a stored past handed to the kernel behind the packed-decode seat (CPU:
+kvarn.kernels.cpu; CUDA: the Triton kernel, kvarn.kernels.triton.register).
 
 Taken for decode-like steps (at most `MAX_QUERIES` queries per head) on CPU tensors of float32/bf16/fp16 when both
 keys and values are AffineQuantizer tiles of the KVarN orientation (keys per channel, values per token, 1/2/3/4/8-bit
 codes, the same tile and region boundaries) with keys stored after RoPE. Everything else, and every step when
 KVARN_KERNEL=torch, takes the PyTorch path (the reference). KVARN_KERNEL=cpu refuses to fall back (an error names
 the reason), which is what the kernel tests use.
+
+CUDA queries take the Triton kernel for single-token steps with nothing masked (the kernel has no mask or soft cap
+yet), 2/4-bit codes, power-of-two head_dim and tile, no tile kept exact (`unsupported_cuda`; a mask that turns out
+to allow everything still qualifies: `fused_attention` returns None otherwise and the caller takes PyTorch). Before
+this, the transformers cache never reached the Triton kernel on a GPU (found on the first GPU run, 2026-12-04).
 
 The kernel gets the segments in position order: sink (dense) | tiles | tail (dense) | fresh keys (dense), one mask
 bias over all positions (None when everything is allowed), and the tiles kept exact as an (b, h, tile) -> row map:
@@ -22,6 +28,7 @@ from kvarn.ops.seats import supported
 from kvarn.quant.affine import AffineQuantizer
 
 _CPU = torch.device("cpu")
+_EMPTY, _ONE = torch.empty(0), torch.empty(1)  # the CUDA seat's reasons read only whether a mask / exact map is given
 
 MAX_QUERIES = 16  # queries per head; longer chunks (prefill) take the matmul-based PyTorch path
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,11 +55,28 @@ def unsupported_quantizers(key_q, value_q) -> str | None:
     return None
 
 
-def unsupported(query: torch.Tensor, keys: StoredKV | None, values: StoredKV | None) -> str | None:
+def unsupported_cuda(query: torch.Tensor, keys: StoredKV, values: StoredKV, softcap: float | None) -> str | None:
+    """Why the Triton kernel cannot serve this CUDA step (None: it can, unless the mask turns out to hide a
+    position: `fused_attention` checks that once the mask is known)."""
+    if query.shape[2] != 1:
+        return f"{query.shape[2]} queries per head (the Triton kernel has no causal mask yet)"
+    if query.dtype not in DTYPES:
+        return f"query in {query.dtype}"
+    exact = len(keys.exact_index) or len(values.exact_index)
+    return supported("packed_decode", query.device, query, keys.quantizer.config.bits, values.quantizer.config.bits,
+                     keys.tile, _EMPTY, float(softcap or 0.0), _ONE if exact else _EMPTY)
+
+
+def unsupported(query: torch.Tensor, keys: StoredKV | None, values: StoredKV | None,
+                softcap: float | None = None) -> str | None:
     """Why the fused kernel cannot serve this step (None: it can)."""
     if keys is None or values is None or not keys.n_tiles:
         return "no packed tiles"
-    why = unsupported_query(query) or unsupported_quantizers(keys.quantizer, values.quantizer)
+    why = unsupported_quantizers(keys.quantizer, values.quantizer)
+    if why is None and query.device.type == "cuda":
+        why = unsupported_cuda(query, keys, values, softcap)
+    elif why is None:
+        why = unsupported_query(query)
     if why is not None:
         return why
     for what, v in (("keys", keys), ("values", values)):
@@ -63,11 +87,12 @@ def unsupported(query: torch.Tensor, keys: StoredKV | None, values: StoredKV | N
     return None
 
 
-def take(why: str | None) -> bool:
-    """Whether a step for which the kernel gave `why` (None: it can serve it) takes the kernel, by KVARN_KERNEL
-    (`kvarn.ops.dispatch.use_kernel`; under torch the extension is never built); "no packed tiles" is not an error
-    under cpu: there is nothing to fuse."""
-    return use_kernel(lambda: why if why is not None else supported("packed_decode", _CPU),
+def take(why: str | None, device: torch.device = _CPU) -> bool:
+    """Whether a step on `device` for which the kernel gave `why` (None: it can serve it) takes the kernel, by
+    KVARN_KERNEL (`kvarn.ops.dispatch.use_kernel`; under torch the CPU extension is never built); "no packed tiles"
+    is not an error under cpu: there is nothing to fuse."""
+    cpu = device.type == "cpu"
+    return use_kernel(lambda: why if why is not None or not cpu else supported("packed_decode", _CPU),
                       "the fused kernel cannot serve this step", optional=("no packed tiles",))
 
 
@@ -103,29 +128,34 @@ def bias(mask: torch.Tensor | None, ok: torch.Tensor | None) -> torch.Tensor | N
     add = mask if mask is not None and mask.dtype != torch.bool else None
     if add is None and bool(ok.all()):
         return None
-    base = add.float() if add is not None else torch.zeros(ok.shape)
+    base = add.float() if add is not None else torch.zeros(ok.shape, device=ok.device)
     return base.masked_fill(~ok, float("-inf"))
 
 
-_TABLES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_TABLES: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _table(b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block table of the cache layout (block_table[b, j] = j) and n_blocks, cached per (B, n)."""
-    t = _TABLES.get((b, n))
+def _table(b: int, n: int, device: torch.device = _CPU) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table of the cache layout (block_table[b, j] = j) and n_blocks, cached per (B, n, device)."""
+    t = _TABLES.get((b, n, device))
     if t is None:
         if len(_TABLES) > 64:
             _TABLES.clear()
-        t = _TABLES[b, n] = (torch.arange(n, dtype=torch.int32).expand(b, n), torch.full((b,), n, dtype=torch.int32))
+        t = _TABLES[b, n, device] = (torch.arange(n, dtype=torch.int32, device=device).expand(b, n),
+                                     torch.full((b,), n, dtype=torch.int32, device=device))
     return t
 
 
 def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: StoredKV, values: StoredKV,
                     ok: torch.Tensor | None, mask: torch.Tensor | None, scale: float,
-                    softcap: float | None) -> torch.Tensor:
+                    softcap: float | None) -> torch.Tensor | None:
     """packed_attention's result [B, L, Hq, D] (query dtype) through the kernel; `ok` the boolean allowed mask
-    (`attention.packed.allowed`), None for a single query without a mask (everything allowed)."""
+    (`attention.packed.allowed`), None for a single query without a mask (everything allowed). None on CUDA when
+    the mask hides a position (the Triton kernel has no mask yet): the caller takes the PyTorch path."""
     b = query.shape[0]
+    add = bias(mask, ok)
+    if add is not None and query.device.type != "cpu":
+        return None
     dense = []
     if keys.sink_len:  # in its stored dtype (fp16 by default): the kernel widens rows as it reads them
         dense.append((keys.sink_rows(keys.sink.dtype), values.sink_rows(values.sink.dtype), 0))
@@ -134,8 +164,8 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         dense.append((keys.tail_rows(keys.tail.dtype), values.tail_rows(values.tail.dtype), tail_pos))
     dense.append((key, value, keys.length))
     n = keys.n_tiles
-    table, count = _table(b, n)
+    table, count = _table(b, n, query.device)
     out = kernel.decode_attention(query, _tiles(keys), _tiles(values), table, count, keys.tile, scaling=scale,
-                                  dense=dense, tiles_pos=keys.sink_len, bias=bias(mask, ok), softcap=softcap,
+                                  dense=dense, tiles_pos=keys.sink_len, bias=add, softcap=softcap,
                                   exact=_exact(keys, values), validate=False)
     return out.transpose(1, 2).to(query.dtype).contiguous()

@@ -230,7 +230,7 @@ def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles
     q = _f32(query).reshape(b, hkv, g * length, d)
     rotated = keys.rotate != "none" or values.rotate != "none"
     out, _ = decode_partial(q, None, keys, values, block_table, n_blocks, tile, length, dense, tiles_pos, bias,
-                            softcap, exact, splits, hadamard_dense(d) if rotated else None,
+                            softcap, exact, splits, hadamard_dense(d, device=query.device) if rotated else None,
                             d ** -0.5 if scaling is None else scaling, validate, paged)
     return out.reshape(b, hq, length, d)
 

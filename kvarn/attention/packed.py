@@ -254,9 +254,9 @@ def _value_out(p: torch.Tensor, view: StoredKV | None, v_new: torch.Tensor, cd: 
     return out
 
 
-def _use_fused(query: torch.Tensor, past: KVarNPast | None) -> bool:
+def _use_fused(query: torch.Tensor, past: KVarNPast | None, softcap: float | None = None) -> bool:
     """Whether this step takes the fused kernel (kvarn.attention.fused; KVARN_KERNEL=torch never, =cpu always)."""
-    return past is not None and fused.take(fused.unsupported(query, past.keys, past.values))
+    return past is not None and fused.take(fused.unsupported(query, past.keys, past.values, softcap), query.device)
 
 
 def decodes_past(rows: int, softcap: float | None) -> bool:
@@ -296,11 +296,14 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     keys_view = past.keys if past is not None else None
     values_view = past.values if past is not None else None
     scale = d ** -0.5 if scaling is None else scaling
-    if kernel and _use_fused(query, past):
+    ok = None
+    if kernel and _use_fused(query, past, softcap):
         ok = None if attention_mask is None and length == 1 else allowed(attention_mask, b, length, kv_len,
                                                                           query.device)
-        return fused.fused_attention(query, key, value, past.keys, past.values, ok, attention_mask, scale, softcap)
-    ok = allowed(attention_mask, b, length, kv_len, query.device)
+        out = fused.fused_attention(query, key, value, past.keys, past.values, ok, attention_mask, scale, softcap)
+        if out is not None:  # None: a CUDA step whose mask hides a position (the Triton kernel has no mask)
+            return out
+    ok = allowed(attention_mask, b, length, kv_len, query.device) if ok is None else ok
     if past is not None and decodes_past(g * length, softcap):
         return _decoded_sdpa(query, key, value, past, ok, _additive(attention_mask), scale, cd)
     add = _additive(attention_mask)

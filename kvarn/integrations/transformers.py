@@ -110,6 +110,15 @@ def config_kv_heads(config) -> int:
 UNDO_REACH = 32  # draft tokens a crop may remove exactly across a tile (assisted decoding proposes 20 by default)
 
 
+
+def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
+    """transformers' layer types and per-layer cache kwargs. Before 5.18 the kwargs were one dict for every layer
+    (zipping it with the types built no layers at all): spread it over the layers."""
+    types, kwargs = get_layer_types_and_kwargs(config)
+    if isinstance(kwargs, dict):
+        kwargs = [dict(kwargs) if kind in SLIDING_TYPES else {} for kind in types]
+    return list(types), list(kwargs)
+
 @dataclass(frozen=True)
 class _Kept:
     """Exact K or V [B, H, n, D] (own storage) of positions [start, start + n): the last tile an update completed."""
@@ -389,7 +398,7 @@ class KVarNCache(Cache):
         n = text.num_hidden_layers
         first, last = p.policy.fp_layers
         kv: tuple[TileQuantizer, TileQuantizer] | None = None  # built once, for the first quantized layer (stateless)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        layer_types, layer_kwargs = layer_types_and_kwargs(text)
         quantized = [i for i, kind in enumerate(layer_types) if kind == "full_attention" and p.quantized
                      and not (i < first or i >= n - last)]
         # budget presets: which layers' keys get key_high is chosen online (kvarn.cache.allocation)

@@ -24,7 +24,9 @@ def rtn_quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
     levels = (1 << check_bits(bits)) - 1
     lo = x.amin(dim=-1, keepdim=True)
     hi = x.amax(dim=-1, keepdim=True)
-    delta = ((hi - lo) / levels).clamp_min(RANGE_GUARD)
+    # divided by a tensor, not a Python number: PyTorch's CUDA division by a scalar multiplies by its reciprocal (1 ulp
+    # off, so the H200 run found 1.5e-4 of codes one step from the store kernel's); the CPU divides either way
+    delta = ((hi - lo) / torch.full_like(hi, levels)).clamp_min(RANGE_GUARD)
     q = torch.round((x - lo) / delta).clamp_(0, levels)
     return q.to(torch.uint8), delta, lo
 

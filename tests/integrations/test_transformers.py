@@ -406,6 +406,21 @@ def test_sliding_and_fp_layers(seed):
     assert cache.layers[0].keys.shape[2] == 15  # the sliding window kept by transformers' layer
 
 
+
+def test_layer_kwargs_of_older_transformers(monkeypatch):
+    """transformers < 5.18 returns one kwargs dict for all layers, not a list: the cache still builds every layer (on
+    5.17 it built none), the sliding layers with their window. Found on the first GPU run (its image has 5.17)."""
+    import kvarn.integrations.transformers as tr
+
+    model = tiny("gemma3", layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16)
+    new = tr.layer_types_and_kwargs(model.config)
+    monkeypatch.setattr(tr, "get_layer_types_and_kwargs", lambda config: (new[0], {"sliding_window": 16}))
+    assert tr.layer_types_and_kwargs(model.config) == new
+    cache = KVarNCache(model.config, "kvarn-k2v2-g64")
+    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer", "KVarNLayer"] * 2
+    greedy(model, prompt(40), cache, n=4)
+    assert cache.layers[0].keys.shape[2] == 15 and cache.get_seq_length() == 43  # the last token is not fed
+
 def test_the_preset_is_resolved_once_and_handed_down(monkeypatch):
     """KVarNCache looks the name up once; its layers and stores get the quantizers and the policy, never the name."""
     import kvarn.cache.store

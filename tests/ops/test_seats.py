@@ -161,3 +161,34 @@ def test_triton_seat_implementation(preset, monkeypatch, seed):
         if a.numel():
             assert float((a - r).abs().max()) <= 1e-5 * (1 + float(r.abs().max()))
     assert triton_seat.unsupported(args[0], 2, 2, 64, torch.ones(1), 0.0, torch.empty(0)) is not None
+
+
+def test_cuda_steps_route_to_the_triton_seat(monkeypatch, seed):
+    """The transformers cache's fused path on CUDA queries (kvarn.attention.fused.unsupported_cuda, answered by the
+    Triton seat's reasons): a single unmasked query over 2-bit tiles qualifies; more queries, a soft cap and tiles
+    kept exact name their reason; and taking it never builds the CPU extension. (Before, CUDA
+    queries never reached the Triton kernel: found on the first GPU run.)"""
+    pytest.importorskip("triton")
+    import kvarn.kernels.triton.register
+
+    gen = torch.Generator().manual_seed(seed)
+    b, hkv, d, t = 1, 2, 64, 16 + 3 * 64 + 5
+
+    def past(preset, nonfinite=False):
+        k = make_inputs("heavy", b, hkv, t, d, gen)
+        if nonfinite:
+            k[0, 0, 20] = float("nan")  # inside the first tile (sink 16, tile 64): kept exact
+        return build_past(preset, k, make_inputs("gauss", b, hkv, t, d, gen), 16)
+
+    # the reasons the CUDA kernel gives (the queries here are CPU tensors standing in for CUDA ones)
+    monkeypatch.setattr(fused, "supported", lambda seat, device, *a: kvarn.kernels.triton.register.unsupported(*a))
+    q = make_inputs("gauss", b, 2 * hkv, 1, d, gen)
+    p = past("kvarn-k2v2-g64")
+    assert fused.unsupported_cuda(q, p.keys, p.values, None) is None
+    assert "2 queries" in fused.unsupported_cuda(q.expand(-1, -1, 2, -1), p.keys, p.values, None)
+    assert "soft cap" in fused.unsupported_cuda(q, p.keys, p.values, 30.0)
+    pn = past("kvarn-k2v2-g64", nonfinite=True)
+    assert len(pn.keys.exact_index) and "exact" in fused.unsupported_cuda(q, pn.keys, pn.values, None)
+    monkeypatch.setenv("KVARN_KERNEL", "auto")
+    monkeypatch.setattr(fused, "supported", lambda *a: pytest.fail("the CPU kernel was asked"))
+    assert fused.take(None, torch.device("cuda")) and not fused.take("a reason", torch.device("cuda"))

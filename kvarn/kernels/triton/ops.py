@@ -35,6 +35,8 @@ Layout = Literal["cache", "pool", "strided"]
 Precision = Literal["ieee", "tf32"]
 SUPPORTED_BITS = (2, 4)
 NUM_WARPS = 8  # a program holds [D, G] float32 code tiles (64 KiB at D = G = 128): 8 warps keep them in registers
+DECODE_STAGES = 3  # Triton's default software pipelining depth for the decode loop (H200, 2026-12-04: 107 KiB of
+# shared memory and 97 registers per 256-thread program, 2 programs per SM; gpu_check step 4 sweeps it)
 
 # A partial softmax state over some keys, for M query rows: running max m [B, H, k, M], sum l [B, H, k, M],
 # unnormalized outputs acc_rot / acc_plain [B, H, k, M, D] (acc_rot None: nothing rotated).
@@ -243,7 +245,7 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
         m_part, l_part, acc_r, acc_p, h, s, bps,
         MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=int(Rotation.of(keys.rotate)),
         VROT=int(Rotation.of(values.rotate)), KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
-        PLANES=code_layout(), PREC=1 if precision == "tf32" else 0, num_warps=NUM_WARPS,
+        PLANES=code_layout(), PREC=1 if precision == "tf32" else 0, num_warps=NUM_WARPS, num_stages=DECODE_STAGES,
     )
     return m_part[..., :m], l_part[..., :m], acc_r[..., :m, :], acc_p[..., :m, :]
 

@@ -10,7 +10,9 @@ Input x [N, H, G, D] (token-major tiles). Tile (n, h) lands at  ptr + dst[n] * s
     RTN per row: lo = min, delta = max((max - lo) / (2^b - 1), 1e-10), q = clamp(rint((X - lo) / delta))
     row_scale = delta * s_row, row_zero = lo * s_row, col_scale = s_col, codes packed (`codes.pack_codes`)
 
-Scales are cast to their field's dtype on store (fp16 overflow -> inf, as `affine.store_scale`).
+Scales are cast to their field's dtype on store (fp16 overflow -> inf, as `affine.store_scale`). Divisions and
+square roots are the correctly rounded ones (`tl.div_rn`, `tl.sqrt_rn`) as PyTorch's: on CUDA Triton's `/` is an
+approximate division, which put 1.5e-4 of RTN codes one step off on the first GPU run (the interpreter divides exactly).
 """
 
 from __future__ import annotations
@@ -31,20 +33,20 @@ RANGE_GUARD = tl.constexpr(1e-10)  # globals read by @jit code must be tl.conste
 @triton.jit
 def _std(y, AXIS: tl.constexpr, N: tl.constexpr):
     """Unbiased standard deviation along AXIS (N entries), two-pass."""
-    mean = tl.sum(y, axis=AXIS) / N
+    mean = tl.div_rn(tl.sum(y, axis=AXIS), tl.full([1], N, tl.float32))
     if AXIS == 0:
         dev = y - mean[None, :]
     else:
         dev = y - mean[:, None]
-    return tl.sqrt(tl.sum(dev * dev, axis=AXIS) / (N - 1))
+    return tl.sqrt_rn(tl.div_rn(tl.sum(dev * dev, axis=AXIS), tl.full([1], N - 1, tl.float32)))
 
 
 @triton.jit
 def _imbalance(y, R: tl.constexpr, C: tl.constexpr):
     sc = _std(y, 0, R)
     sr = _std(y, 1, C)
-    return (tl.max(sc, axis=0) / tl.maximum(tl.min(sc, axis=0), IMB_FLOOR)
-            + tl.max(sr, axis=0) / tl.maximum(tl.min(sr, axis=0), IMB_FLOOR))
+    return (tl.div_rn(tl.max(sc, axis=0), tl.maximum(tl.min(sc, axis=0), IMB_FLOOR))
+            + tl.div_rn(tl.max(sr, axis=0), tl.maximum(tl.min(sr, axis=0), IMB_FLOOR)))
 
 
 @triton.jit
@@ -93,23 +95,23 @@ def store_tiles_kernel(
         best_r = tl.full([R], 1.0, tl.float32)
         best_imb = _imbalance(X, R, C)
         for _ in range(ITERS):
-            y = X / tl.exp(lc)[None, :] / tl.exp(lr)[:, None]
+            y = tl.div_rn(tl.div_rn(X, tl.exp(lc)[None, :]), tl.exp(lr)[:, None])
             sc = tl.minimum(tl.maximum(_std(y, 0, R), STD_LO), STD_HI)
             lc = tl.minimum(tl.maximum(lc + tl.log(sc), LOG_LO), LOG_HI)
-            y = X / tl.exp(lc)[None, :] / tl.exp(lr)[:, None]
+            y = tl.div_rn(tl.div_rn(X, tl.exp(lc)[None, :]), tl.exp(lr)[:, None])
             sr = tl.minimum(tl.maximum(_std(y, 1, C), STD_LO), STD_HI)
             lr = tl.minimum(tl.maximum(lr + tl.log(sr), LOG_LO), LOG_HI)
-            y = X / tl.exp(lc)[None, :] / tl.exp(lr)[:, None]
+            y = tl.div_rn(tl.div_rn(X, tl.exp(lc)[None, :]), tl.exp(lr)[:, None])
             imb = _imbalance(y, R, C)
             better = imb <= best_imb
             best_imb = tl.where(better, imb, best_imb)
             best_c = tl.where(better, tl.exp(lc), best_c)
             best_r = tl.where(better, tl.exp(lr), best_r)
-        X = X / best_c[None, :] / best_r[:, None]
+        X = tl.div_rn(tl.div_rn(X, best_c[None, :]), best_r[:, None])
     LEVELS: tl.constexpr = (1 << BITS) - 1
     lo = tl.min(X, axis=1)
-    delta = tl.maximum((tl.max(X, axis=1) - lo) / LEVELS, RANGE_GUARD)
-    q = _rint((X - lo[:, None]) / delta[:, None])
+    delta = tl.maximum(tl.div_rn(tl.max(X, axis=1) - lo, tl.full([R], LEVELS, tl.float32)), RANGE_GUARD)
+    q = _rint(tl.div_rn(X - lo[:, None], delta[:, None]))
     q = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
     if VARN:
         delta = delta * best_r
