@@ -182,13 +182,18 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 # -- decode attention ----------------------------------------------------------------------------------------------
+MAX_BLOCKS_PER_SPLIT = 8  # H200, 2026-12-04 (gpu_check step 4): batch 8 x 8 KV heads at 32k, 1.22 ms with the
+# ~52 blocks per split that two programs per SM give (320 programs, 1.2 waves) vs 1.00 ms at 8; batch 1: equal
+
+
 def _splits(batch_heads: int, max_blocks: int, device: torch.device) -> int:
-    """Blocks per split: enough programs to fill the GPU twice over (one program per row-head on the CPU)."""
+    """Blocks per split: enough programs to fill the GPU twice over, and at most `MAX_BLOCKS_PER_SPLIT` blocks each
+    (one program per row-head on the CPU)."""
     if device.type != "cuda" or max_blocks == 0:
         return max(1, max_blocks)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = max(1, min(max_blocks, -(-2 * sms // batch_heads)))
-    return -(-max_blocks // splits)
+    return min(MAX_BLOCKS_PER_SPLIT, -(-max_blocks // splits))
 
 
 def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileFields, values: TileFields,
