@@ -4,7 +4,8 @@ in half as many; `kvarn-auto-k3v2-g128` is kvarn-auto with 3-bit keys everywhere
 registered in kvarn itself. `kvarn-b{2.5,3.0}-rank` are version 2 of the registered budget presets (4-bit layers
 first, pick "rank"); `kvarn-b{2.5,3.0}-best` are version 3, today's `kvarn-b2.5`/`kvarn-b3.0` (the split between 4-
 and 3-bit layers chosen per request, pick "best"), under the names they were measured as;
-`kvarn-auto-k2v2-g128-prerope` stores keys before RoPE.
+`kvarn-auto-k2v2-g128-prerope` stores keys before RoPE; `kvarn-b{2.5,3.0}-fp8` are version 3 with e4m3 row scales
+(the bits saved buy more promoted layers).
 
     python scripts/budget_variants.py eval tasks --model qwen2.5-coder-0.5b --tasks niah_multikey_1 --lengths 4096 \
         --samples 10 --threads 1 --methods dynamic,kvarn-auto-k2v2-g128,kvarn-b2.5,kvarn-b2.5-k3 \
@@ -14,6 +15,8 @@ and 3-bit layers chosen per request, pick "best"), under the names they were mea
 from __future__ import annotations
 
 import sys
+
+import torch
 
 from kvarn.cli import main
 from kvarn.presets.family import BUDGETS, affine_preset, budget_preset
@@ -31,6 +34,10 @@ def register_variants() -> None:
         name = f"kvarn-b{b}-best"  # the registered preset under the name its measurements ran as (docs/TASKS.md)
         register_preset(name, lambda b=b, name=name: budget_preset(b, pick="best", name=name))
     register_preset("kvarn-auto-k3v2-g128", lambda: affine_preset("kvarn-auto", 3, 2, 128))
+    for b in BUDGETS:  # e4m3 row scales (fp16 zero points): the 1/16 bit per element they save buys more layers
+        name = f"kvarn-b{b}-fp8"
+        register_preset(name, lambda b=b, name=name: budget_preset(b, pick="best", name=name,
+                                                                  scale_dtype=torch.float8_e4m3fn))
     # keys stored before RoPE (a lever of issue 20: Qwen2's k_proj bias is a per-channel constant there, which the
     # per-channel zero points absorb; after RoPE it is a per-position sinusoid); reads decode and redo RoPE
     register_preset("kvarn-auto-k2v2-g128-prerope", lambda: affine_preset(

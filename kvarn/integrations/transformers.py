@@ -110,7 +110,6 @@ def config_kv_heads(config) -> int:
 UNDO_REACH = 32  # draft tokens a crop may remove exactly across a tile (assisted decoding proposes 20 by default)
 
 
-
 def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
     """transformers' layer types and per-layer cache kwargs. Before 5.18 the kwargs were one dict for every layer
     (zipping it with the types built no layers at all): spread it over the layers."""
@@ -118,6 +117,7 @@ def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
     if isinstance(kwargs, dict):
         kwargs = [dict(kwargs) if kind in SLIDING_TYPES else {} for kind in types]
     return list(types), list(kwargs)
+
 
 @dataclass(frozen=True)
 class _Kept:

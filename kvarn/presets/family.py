@@ -65,18 +65,20 @@ BUDGET_HEAD_DIM = 128  # budgets are named at head_dim 128; smaller heads pay mo
 
 
 def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str | None = None,
-                  high: int = 4, mid: int | None = 3, pick: str = "rank") -> Preset:
+                  high: int = 4, mid: int | None = 3, pick: str = "rank",
+                  scale_dtype: torch.dtype = torch.float16) -> Preset:
     """`kvarn-b{bits}`: kvarn-auto k2v2 with the keys of a share of the layers at `high` (3 or 4) bits, the share the
     largest that keeps (k_low + share (k_high - k_low) + v) / 2 <= bits at head_dim 128 (stored bytes, scales
     included); what rounding that share down to whole layers leaves buys layers at `mid` bits (None: unspent).
     pick "best": the same key bits split between `high` and `mid` layers per request by the layers' gains at both
-    widths (`kvarn.cache.allocation.best_split`) instead of `high` first."""
+    widths (`kvarn.cache.allocation.best_split`) instead of `high` first. scale_dtype: the row scales' dtype
+    (float8_e4m3fn: the bits the scales save buy more promoted layers)."""
     if high not in (3, 4) or (mid is not None and not 2 < mid < high):
         raise ValueError(f"budget presets promote keys to 3 or 4 bits, spending the rest on fewer bits; got high "
                          f"{high}, mid {mid}")
     if pick not in ("rank", "best") or (pick == "best" and mid is None):
         raise ValueError(f"pick must be 'rank' or 'best' (which needs a mid width), got {pick!r} with mid {mid}")
-    low, top = affine_preset("kvarn-auto", 2, 2, tile), affine_preset("kvarn-auto", high, 2, tile)
+    low, top = (affine_preset("kvarn-auto", kb, 2, tile, scale_dtype=scale_dtype) for kb in (2, high))
     d = BUDGET_HEAD_DIM
     k_lo, v = (q.bits_per_element(d) for q in low.quantizers(d))
     k_hi = top.quantizers(d)[0].bits_per_element(d)
@@ -95,7 +97,8 @@ def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str 
         desc += f", the split between {high}- and {mid}-bit layers chosen per request by their gains at both"
     return dataclasses.replace(low, name=name or f"kvarn-b{bits}", description=desc, family="kvarn-budget",
                                key_high=top.key, promote=share, k_bits=round(2 + (high - 2) * share, 4),
-                               key_mid=None if mid is None else affine_preset("kvarn-auto", mid, 2, tile).key,
+                               key_mid=None if mid is None else affine_preset("kvarn-auto", mid, 2, tile,
+                                                                              scale_dtype=scale_dtype).key,
                                params=params, version=3 if pick == "best" else 2 if mid is not None else 1)
 
 

@@ -352,3 +352,18 @@ def test_pick_best_in_a_model_reads_packed_as_reference_and_saves(tmp_path, seed
     assert back.key_allocation.report_dict() == a.report_dict()
     more = ids[:, 156:]
     assert torch.equal(forward_steps(model, more, cache, [1, 1]), forward_steps(model, more, back, [1, 1]))
+
+
+def test_budget_with_8bit_scales_buys_more_promotion():
+    """budget_preset(scale_dtype=e4m3): every width's row scales are e4m3, the budget still holds at head_dim 128 from
+    the quantizers' own byte counts, and the 1/16 bit each element saves buys a larger promoted share (the lever
+    measured in docs/TASKS.md, "8-bit scale vectors")."""
+    plain = budget_preset(2.5, pick="best")
+    fp8 = budget_preset(2.5, pick="best", scale_dtype=torch.float8_e4m3fn)
+    d = 128
+    for q in (*fp8.quantizers(d), fp8.key_high(d), fp8.key_mid(d)):
+        assert q.config.scale_dtype == torch.float8_e4m3fn
+    k_lo, v = (q.bits_per_element(d) for q in fp8.quantizers(d))
+    k_hi = fp8.key_high(d).bits_per_element(d)
+    assert (k_lo + fp8.promote * (k_hi - k_lo) + v) / 2 <= 2.5 + 1e-9
+    assert fp8.promote > plain.promote and plain.quantizers(d)[0].config.scale_dtype == torch.float16
