@@ -166,8 +166,8 @@ def test_triton_seat_implementation(preset, monkeypatch, seed):
 def test_cuda_steps_route_to_the_triton_seat(monkeypatch, seed):
     """The transformers cache's fused path on CUDA queries (kvarn.attention.fused.unsupported_cuda, answered by the
     Triton seat's reasons): a single unmasked query over 2-bit tiles qualifies; more queries, a soft cap and tiles
-    kept exact name their reason; and taking it never builds the CPU extension. (Before, CUDA
-    queries never reached the Triton kernel: found on the first GPU run.)"""
+    kept exact name their reason; and taking it never builds the CPU extension. (Before, CUDA queries never reached
+    the Triton kernel: found on the first GPU run; the route itself ran there, docs/gpu/h200-2026-12-04.md.)"""
     pytest.importorskip("triton")
     import kvarn.kernels.triton.register
 
