@@ -577,10 +577,21 @@ class LayerStore:
             raise ValueError("observe_queries before any key was appended: the number of KV heads is unknown")
         self.queries.update(q, self.keys.shape_bhd[1])
         a = self.allocation
-        if a is not None and a.rule == "output" and not a.decided:  # the newest queries, until this layer scores
-            recent = q if self._recent_q is None else torch.cat([self._recent_q, q], dim=2)
-            self._recent_q = recent[:, :, -OUTPUT_ROWS:]
+        if a is not None and a.rule == "output" and not a.decided:
+            # the newest queries as of the first tile's end, until this layer scores: queries past that end are
+            # dropped, so one forward over a whole prompt (generate) scores as prompt chunks (serving) and single
+            # tokens (decode) do, and not on the prompt's last queries, far from that tile (docs/TASKS.md, "The
+            # generate protocol")
+            keep = self._score_end() - (self.keys.length - q.shape[2])
+            if keep > 0:
+                q = q[:, :, :keep]
+                recent = q if self._recent_q is None else torch.cat([self._recent_q, q], dim=2)
+                self._recent_q = recent[:, :, -OUTPUT_ROWS:]
         self.settle()
+
+    def _score_end(self) -> int:
+        """The position after the first key tile, where the "output" rule's attention ends."""
+        return self.keys.sink_len + self.allocation.low.tile
 
     def settle(self) -> None:
         """Quantize key tiles that completed but wait for their queries or the key allocation (no-op when none)."""
@@ -605,7 +616,8 @@ class LayerStore:
 
     def _score(self) -> None:
         """Report this layer's promotion gain on its first complete key tile (`kvarn.cache.allocation`), once: the
-        "output" rule on the newest queries observed (up to OUTPUT_ROWS, kept only until then; a layer whose
+        "output" rule on the newest queries observed up to the first tile's end (up to OUTPUT_ROWS, kept only
+        until then, with the keys and values up to that end; a layer whose
         attention observes none falls back to the "logit" rule)."""
         a, ks = self.allocation, self.keys
         if self.layer in a.scores or ks.tail is None or ks.n_tiles or not ks._ready(ks.tail.shape[2]):
@@ -613,10 +625,11 @@ class LayerStore:
         w = self.queries.weight() if self.queries is not None else None
         highs = (a.high, a.mid) if a.scores_mid else (a.high,)
         if a.rule == "output" and self._recent_q is not None:
-            if self._recent_q.shape[2] < min(OUTPUT_ROWS, ks.length - ks.tiles_start):
+            end = self._score_end()
+            if self._recent_q.shape[2] < min(OUTPUT_ROWS, end - ks.tiles_start):
                 return  # fewer queries than keys past the sink: wait for more (decoding one token at a time)
-            gains = output_gains(self._recent_q, ks.full(), self.values.full(), ks.tiles_start, w, a.low, highs,
-                                 OUTPUT_ROWS)
+            k, v = ks.full()[:, :, :end], self.values.full()[:, :, :end]  # the queries are the last ones before end
+            gains = output_gains(self._recent_q, k, v, ks.tiles_start, w, a.low, highs, OUTPUT_ROWS)
             self._recent_q = None
         else:
             gains = promotion_gains(ks.tail[:, :, :a.low.tile], w, a.low, highs)

@@ -246,6 +246,26 @@ def test_output_rule_decides_when_decoding_one_token_at_a_time(seed):
     assert all(la.store.keys.n_tiles == 1 for la in cache.layers)
 
 
+
+def test_output_rule_scores_the_same_under_every_protocol(seed):
+    """The "output" rule's scores do not depend on how the prompt arrives: one forward over 200 tokens (generate),
+    chunks ending at the first tile (serving) and token by token (decode) score every layer alike, because the
+    queries past the first tile's end (8 + 128) are dropped. Before, one forward scored on its last 128 queries, far
+    from that tile, and chose other layers (docs/TASKS.md, "The generate protocol")."""
+    model = make_tiny_model("llama", head_dim=64, layers=4)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (1, 200), generator=gen)
+    scores = []
+    for chunks in ([200], [8, 128, 64], [1] * 136 + [64]):
+        cache = KVarNCache(model.config, budget_preset(3.0, rule="output", pick="best"), sink=8)
+        forward_steps(model, ids, cache, chunks)
+        assert cache.key_allocation.decided
+        scores.append(cache.key_allocation.scores)
+    for other in scores[1:]:
+        assert other.keys() == scores[0].keys()
+        for layer, gains in scores[0].items():
+            assert torch.allclose(torch.tensor(other[layer]), torch.tensor(gains), rtol=1e-4, atol=1e-7), layer
+
 def mid_quantizer(d: int = 64):
     return affine_preset("kvarn-auto", 3, 2, 128).quantizers(d)[0]
 
