@@ -616,9 +616,9 @@ class LayerStore:
 
     def _score(self) -> None:
         """Report this layer's promotion gain on its first complete key tile (`kvarn.cache.allocation`), once: the
-        "output" rule on the newest queries observed up to the first tile's end (up to OUTPUT_ROWS, kept only
-        until then, with the keys and values up to that end; a layer whose
-        attention observes none falls back to the "logit" rule)."""
+        "output" rule on the newest queries observed up to the first tile's end (up to OUTPUT_ROWS, kept only until
+        then), over the keys and values up to that end; a layer whose attention observes none falls back to the
+        "logit" rule."""
         a, ks = self.allocation, self.keys
         if self.layer in a.scores or ks.tail is None or ks.n_tiles or not ks._ready(ks.tail.shape[2]):
             return
