@@ -15,9 +15,9 @@ beside it); --repeat N runs N more attend calls after the timing, for a sampling
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
-import sys
 import time
 
 import torch
@@ -31,9 +31,13 @@ H, HQ, D, G, R, LAYERS = 3, 9, 64, 128, 8, 30
 
 
 def main() -> None:
-    args = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--") and sys.argv[i] not in ("--repeat",
-                                                                                                    "--rounds")]
-    preset = args[0] if args else "kvarn-k2v2-g128"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("preset", nargs="?", default="kvarn-k2v2-g128")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--repeat", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1)
+    args = ap.parse_args()
+    preset = args.preset
     torch.manual_seed(0)
     torch.set_num_threads(1)
     lay = TileLayout(get_preset(preset), D, torch.bfloat16)
@@ -72,7 +76,7 @@ def main() -> None:
         return (time.process_time() - t1) / n * 1e3, (t1 - t0) / n * 1e3
 
     step(3)
-    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 1
+    rounds = args.rounds
     times = sorted(step(30) for _ in range(rounds))  # by attend time
     attend, write = times[len(times) // 2]  # the median round: a loaded machine's outliers left out
     if rounds > 1:
@@ -81,9 +85,9 @@ def main() -> None:
     print(f"{preset}: per layer write {write:.3f} ms, attend {attend:.3f} ms (CPU time); x{LAYERS} layers = "
           f"{LAYERS * (write + attend):.1f} ms per step; the prompts' store {prefill:.1f} ms per layer "
           f"({LAYERS * prefill:.0f} ms x{LAYERS}), of which the query statistics {observe:.1f} ms")
-    if "--repeat" in sys.argv:
-        step(int(sys.argv[sys.argv.index("--repeat") + 1]))
-    if "--profile" in sys.argv:
+    if args.repeat:
+        step(args.repeat)
+    if args.profile:
         prof = cProfile.Profile()
         prof.runcall(step, 10)
         pstats.Stats(prof).sort_stats("tottime").print_stats(8)

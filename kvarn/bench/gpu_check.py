@@ -254,22 +254,7 @@ def main() -> int:
 
         def decode_row(bsz: int, ctx: int, row: dict) -> None:
             """Fill one timing row (a function, so the timed lambdas close over its locals only)."""
-            nblk = ctx // g_tile
-            total = bsz * nblk
-            kfields = {"codes": torch.randint(0, 256, (total, hkv, d, g_tile // 4), dtype=torch.uint8,
-                                              generator=gen, device=dev),
-                       "row_scale": torch.rand(total, hkv, d, generator=gen, device=dev).half(),
-                       "row_zero": -torch.rand(total, hkv, d, generator=gen, device=dev).half(),
-                       "col_scale": torch.rand(total, hkv, g_tile, generator=gen, device=dev).half() + 0.5}
-            vfields = {"codes": torch.randint(0, 256, (total, hkv, g_tile, d // 4), dtype=torch.uint8,
-                                              generator=gen, device=dev),
-                       "row_scale": torch.rand(total, hkv, g_tile, generator=gen, device=dev).half(),
-                       "row_zero": -torch.rand(total, hkv, g_tile, generator=gen, device=dev).half(),
-                       "col_scale": torch.rand(total, hkv, d, generator=gen, device=dev).half() + 0.5}
-            keys = ops.TileFields.from_pool(kq.template(d).with_tensors(kfields))
-            values = ops.TileFields.from_pool(vq.template(d).with_tensors(vfields))
-            table = torch.randperm(total, generator=gen, device=dev).to(torch.int32).view(bsz, nblk)
-            n_blocks = torch.full((bsz,), nblk, dtype=torch.int32, device=dev)
+            keys, values, table, n_blocks, packed = random_pool(kq, vq, bsz, ctx, hkv, d, g_tile, gen, dev)
             q = torch.randn(bsz, hq, d, generator=gen, device=dev, dtype=torch.bfloat16)
             fresh = [torch.randn(bsz, hkv, 1, d, device=dev, dtype=torch.bfloat16) for _ in range(2)]
             exact = [(fresh[0], fresh[1], None)]
@@ -297,8 +282,7 @@ def main() -> int:
                 qf = q.unsqueeze(1)  # [B, 1, Hq, D]
                 row["flash_attn_bf16_ms"] = bench(lambda: flash_attn_with_kvcache(qf, kf_, vf_), smoke)
             row["kv_bytes_dense"] = 2 * kd.numel() * kd.element_size()
-            row["kv_bytes_packed"] = sum(t.numel() * t.element_size() for t in
-                                         (*kfields.values(), *vfields.values()))
+            row["kv_bytes_packed"] = packed
             row["ratio_packed_ieee_vs_sdpa"] = row["packed_ieee_ms"] / row["sdpa_bf16_ms"]
             if "packed_tf32_ms" in row:
                 row["ratio_packed_tf32_vs_sdpa"] = row["packed_tf32_ms"] / row["sdpa_bf16_ms"]
@@ -424,11 +408,36 @@ def paged_check(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: in
                   err_f32_torch=err32)
 
 
+def random_pool(kq, vq, bsz: int, ctx: int, hkv: int, d: int, g: int, gen: torch.Generator, dev: torch.device):
+    """Random packed 2-bit fields of `ctx // g` blocks per batch row in the layout of kq / vq (kvarn-k2v2: keys
+    [D, G], values [G, D], fp16 scales), read through a permuted block table, for timing: (keys, values, table,
+    n_blocks, bytes of the packed fields)."""
+    from kvarn.kernels.triton import ops
+
+    nblk = ctx // g
+    total = bsz * nblk
+
+    def fields(rows: int, cols: int) -> dict[str, torch.Tensor]:
+        return {"codes": torch.randint(0, 256, (total, hkv, rows, cols // 4), dtype=torch.uint8, generator=gen,
+                                       device=dev),
+                "row_scale": torch.rand(total, hkv, rows, generator=gen, device=dev).half(),
+                "row_zero": -torch.rand(total, hkv, rows, generator=gen, device=dev).half(),
+                "col_scale": torch.rand(total, hkv, cols, generator=gen, device=dev).half() + 0.5}
+
+    kf, vf = fields(d, g), fields(g, d)
+    keys = ops.TileFields.from_pool(kq.template(d).with_tensors(kf))
+    values = ops.TileFields.from_pool(vq.template(d).with_tensors(vf))
+    table = torch.randperm(total, generator=gen, device=dev).to(torch.int32).view(bsz, nblk)
+    n_blocks = torch.full((bsz,), nblk, dtype=torch.int32, device=dev)
+    packed = sum(t.numel() * t.element_size() for t in (*kf.values(), *vf.values()))
+    return keys, values, table, n_blocks, packed
+
+
 def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: int, ncu: bool = False) -> None:
     """`ops.decode_partials` alone at batch 1 and 8, 32k context (smoke: tiny), over `ops.NUM_WARPS`,
     `ops.DECODE_STAGES` and blocks per split ("auto": `ops._splits`), with the registers, spills and shared memory of
-    every compiled variant: where the decode kernel's time goes. ncu: batch
-    8 only, the default configuration launched 3 times and nothing timed (for `ncu --launch-skip 2`)."""
+    every compiled variant: where the decode kernel's time goes. ncu: batch 8 only, the default configuration
+    launched 3 times and nothing timed (for `ncu --launch-skip 2`)."""
     from kvarn.kernels.triton import ops
     from kvarn.kernels.triton.kernels.decode import decode_split_kernel
     from kvarn.presets import get_preset
@@ -439,25 +448,9 @@ def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: i
     warps0, stages0 = ops.NUM_WARPS, ops.DECODE_STAGES
     try:
         for bsz in (2,) if smoke and ncu else (8,) if ncu else (1, 2) if smoke else (1, 8):
-            nblk = ctx // g
-            total = bsz * nblk
-
-            def field(shape, scale=False):
-                if scale:
-                    return torch.rand(shape, generator=gen, device=dev).half() + 0.5
-                return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen, device=dev)
-
-            kf = {"codes": field((total, hkv, d, g // 4)), "row_scale": field((total, hkv, d), True),
-                  "row_zero": field((total, hkv, d), True), "col_scale": field((total, hkv, g), True)}
-            vf = {"codes": field((total, hkv, g, d // 4)), "row_scale": field((total, hkv, g), True),
-                  "row_zero": field((total, hkv, g), True), "col_scale": field((total, hkv, d), True)}
-            keys = ops.TileFields.from_pool(kq.template(d).with_tensors(kf))
-            values = ops.TileFields.from_pool(vq.template(d).with_tensors(vf))
-            table = torch.randperm(total, generator=gen, device=dev).to(torch.int32).view(bsz, nblk)
-            n_blocks = torch.full((bsz,), nblk, dtype=torch.int32, device=dev)
+            keys, values, table, n_blocks, packed = random_pool(kq, vq, bsz, ctx, hkv, d, g, gen, dev)
             qs = torch.randn(bsz, hkv, hq // hkv, d, generator=gen, device=dev)
             qh = qs @ ops.hadamard_f32(d, dev)
-            packed = sum(t.numel() * t.element_size() for t in (*kf.values(), *vf.values()))
             call = (qs, qh, keys, values, table, n_blocks)
             if ncu:
                 for _ in range(3):
@@ -547,7 +540,7 @@ def e2e_check(dev: torch.device, smoke: bool, args: argparse.Namespace) -> None:
             row = {"e2e_context": ctx, "steps": steps}
             for name in ("dynamic", "dynamic-no-cudnn", "kvarn-k2v2-g128", "kvarn-auto-k2v2-g128"):
                 cache = DynamicCache(config=cfg) if name.startswith("dynamic") else KVarNCache(cfg, name)
-                if dev.type == "cuda":  # cuDNN's SDPA plans per new KV length: 45 of a 48 ms step on the H200
+                if dev.type == "cuda":  # cuDNN's SDPA plans per new KV length (docs/gpu, run 4)
                     torch.backends.cuda.enable_cudnn_sdp(name != "dynamic-no-cudnn")
                 with torch.no_grad():
                     model(ids[:, :ctx], **{kw: cache}, use_cache=True, logits_to_keep=1)
