@@ -31,6 +31,7 @@ Steps (each guarded: a failure is printed and recorded, the next step still runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import time
@@ -60,6 +61,23 @@ def encode_pool(quantizer, x: torch.Tensor, flag: torch.Tensor):
     else:
         tiles = quantizer.encode(flat)
     return tiles.map(lambda v: v.unflatten(0, x.shape[:2]).contiguous())  # encode may return views
+
+
+DECODE_VARIANTS = [("planes", "bf16x3"), ("planes", "ieee"), ("tile", "ieee")]  # version 2 (the default), version 1
+SWEEP = {"planes": [(2, 2, 1), (1, 2, 1), (2, 3, 1), (2, 2, 2), (4, 2, 1)], "tile": [(8, 3, 1)]}  # warps, stages,
+# unroll of step 4 (planes at 8 warps, unrolled: 255 registers and spills on the H200, evening of 2026-12-04)
+
+
+@contextlib.contextmanager
+def decode_kernel(kind: str):
+    """Force `ops.DECODE_KERNEL` (the decode kernel version) inside the block."""
+    from kvarn.kernels.triton import ops
+
+    old, ops.DECODE_KERNEL = ops.DECODE_KERNEL, kind
+    try:
+        yield
+    finally:
+        ops.DECODE_KERNEL = old
 
 
 def tf32(x: torch.Tensor) -> torch.Tensor:
@@ -180,8 +198,9 @@ def main() -> int:
             q = torch.randn(2, hq, d, generator=gen, device=dev)
             exact = [(sink[0], sink[1], None), (tail[0], tail[1], tail_len), (new[0], new[1], None)]
             keys, values = ops.TileFields.from_pool(kf), ops.TileFields.from_pool(vf)
-            for prec in ("ieee",) if smoke else ("ieee", "tf32"):
-                got = paged_decode(q, keys, values, table, n_blocks, exact, precision=prec)
+            for kind, prec in DECODE_VARIANTS + ([] if smoke else [("tile", "tf32")]):
+                with decode_kernel(kind):
+                    got = paged_decode(q, keys, values, table, n_blocks, exact, precision=prec)
                 for r in range(2):
                     blk = table[r, :lens[r]].long()
                     kd = kq.decode(kf.select(blk).flatten(2))  # [n*H, G, D]
@@ -210,7 +229,7 @@ def main() -> int:
                         log("   " + json.dumps(row))
                         continue
                     bound = 4 * err32 + 16 * eps * vmax
-                    check(f"decode {name} {prec} row {r} ({k_all.shape[1]} tokens)", err <= bound, err=err,
+                    check(f"decode {name} {kind} {prec} row {r} ({k_all.shape[1]} tokens)", err <= bound, err=err,
                           bound=bound, err_f32_torch=err32)
 
     @step("2. store correctness vs AffineQuantizer.encode")
@@ -258,13 +277,13 @@ def main() -> int:
             q = torch.randn(bsz, hq, d, generator=gen, device=dev, dtype=torch.bfloat16)
             fresh = [torch.randn(bsz, hkv, 1, d, device=dev, dtype=torch.bfloat16) for _ in range(2)]
             exact = [(fresh[0], fresh[1], None)]
-            for prec in ("ieee",) if smoke else ("ieee", "tf32"):
-                row[f"packed_{prec}_ms"] = bench(
-                    lambda p=prec: paged_decode(q, keys, values, table, n_blocks, exact, precision=p), smoke)
             qs = q.float().view(bsz, hkv, hq // hkv, d) * d ** -0.5
             qh = qs @ ops.hadamard_f32(d, dev)
-            row["packed_kernel_only_ms"] = bench(
-                lambda: ops.decode_partials(qs, qh, keys, values, table, n_blocks), smoke)
+            for kind, tag in (("auto", "packed"), ("tile", "packed_v1")):  # the default (version 2) and version 1
+                with decode_kernel(kind):
+                    row[f"{tag}_ms"] = bench(lambda: paged_decode(q, keys, values, table, n_blocks, exact), smoke)
+                    row[f"{tag}_kernel_only_ms"] = bench(
+                        lambda: ops.decode_partials(qs, qh, keys, values, table, n_blocks), smoke)
             kd = torch.randn(bsz, hkv, ctx, d, device=dev, dtype=torch.bfloat16)
             vd = torch.randn(bsz, hkv, ctx, d, device=dev, dtype=torch.bfloat16)
             q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
@@ -283,9 +302,8 @@ def main() -> int:
                 row["flash_attn_bf16_ms"] = bench(lambda: flash_attn_with_kvcache(qf, kf_, vf_), smoke)
             row["kv_bytes_dense"] = 2 * kd.numel() * kd.element_size()
             row["kv_bytes_packed"] = packed
-            row["ratio_packed_ieee_vs_sdpa"] = row["packed_ieee_ms"] / row["sdpa_bf16_ms"]
-            if "packed_tf32_ms" in row:
-                row["ratio_packed_tf32_vs_sdpa"] = row["packed_tf32_ms"] / row["sdpa_bf16_ms"]
+            for tag in ("packed", "packed_kernel_only", "packed_v1"):
+                row[f"ratio_{tag}_vs_sdpa"] = row[f"{tag}_ms"] / row["sdpa_bf16_ms"]
 
         for bsz in batches:
             for ctx in contexts:
@@ -439,13 +457,13 @@ def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: i
     every compiled variant: where the decode kernel's time goes. ncu: batch 8 only, the default configuration
     launched 3 times and nothing timed (for `ncu --launch-skip 2`)."""
     from kvarn.kernels.triton import ops
-    from kvarn.kernels.triton.kernels.decode import decode_split_kernel
+    from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel
     from kvarn.presets import get_preset
 
     kq, vq = get_preset(f"kvarn-k2v2-g{g}").quantizers(d)
     gen = torch.Generator(device=dev).manual_seed(6)
     ctx = 512 if smoke else 32768
-    warps0, stages0 = ops.NUM_WARPS, ops.DECODE_STAGES
+    launch0 = dict(ops.DECODE_LAUNCH)
     try:
         for bsz in (2,) if smoke and ncu else (8,) if ncu else (1, 2) if smoke else (1, 8):
             keys, values, table, n_blocks, packed = random_pool(kq, vq, bsz, ctx, hkv, d, g, gen, dev)
@@ -458,23 +476,28 @@ def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: i
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 return
-            for warps, stages in ((8, 3), (8, 2), (8, 1), (16, 1), (4, 1)):
-                ops.NUM_WARPS, ops.DECODE_STAGES = warps, stages
-                for bps in (None, 8):
-                    ms = bench(lambda b_=bps, a=call: ops.decode_partials(*a, b_), smoke)
-                    row = {"sweep_batch": bsz, "context": ctx, "warps": warps, "stages": stages,
-                           "blocks_per_split": bps or "auto", "kernel_ms": ms, "GB_per_s": packed / ms / 1e6}
-                    RESULTS["timings"].append(row)
-                    log("   " + json.dumps(row))
+            for kind, prec in DECODE_VARIANTS[:1] + DECODE_VARIANTS[2:]:  # planes ieee: 5-20x slower (run 1)
+                for warps, stages, unroll in SWEEP[kind]:
+                    ops.DECODE_LAUNCH[kind] = (warps, stages, unroll)
+                    for bps in (None, 4) if kind == "planes" else (8,):
+                        with decode_kernel(kind):
+                            ms = bench(lambda b_=bps, p=prec, a=call: ops.decode_partials(*a, b_, p), smoke)
+                        row = {"sweep_batch": bsz, "context": ctx, "kernel": kind, "precision": prec,
+                               "warps": warps, "stages": stages, "unroll": unroll, "blocks_per_split": bps or "auto",
+                               "kernel_ms": ms, "GB_per_s": packed / ms / 1e6}
+                        RESULTS["timings"].append(row)
+                        log("   " + json.dumps(row))
         try:  # registers and spills of the compiled variants (Triton's per-device cache of compiled kernels)
-            for cache in decode_split_kernel.device_caches.values():
-                for kern in cache[0].values():
-                    log(f"   compiled: warps={kern.metadata.num_warps} stages={kern.metadata.num_stages} "
-                        f"regs={kern.n_regs} spills={kern.n_spills} shared={kern.metadata.shared}")
+            for fn in (decode_split_kernel, decode_planes_kernel):
+                for cache in fn.device_caches.values():
+                    for kern in cache[0].values():
+                        log(f"   compiled {fn.__name__}: warps={kern.metadata.num_warps} "
+                            f"stages={kern.metadata.num_stages} regs={kern.n_regs} spills={kern.n_spills} "
+                            f"shared={kern.metadata.shared}")
         except Exception as e:  # the cache's shape is Triton's internals
             log(f"   (registers not read: {type(e).__name__}: {e})")
     finally:
-        ops.NUM_WARPS, ops.DECODE_STAGES = warps0, stages0
+        ops.DECODE_LAUNCH.update(launch0)
     write()
 
 
@@ -634,8 +657,9 @@ def write() -> None:
         lines.append(f"| {c['name']} | {'PASS' if c['ok'] else 'FAIL'} | {det} |")
     dec = [r for r in RESULTS["timings"] if "context" in r and "batch" in r]
     if dec:
-        cols = [k for k in ("packed_ieee_ms", "packed_tf32_ms", "packed_kernel_only_ms", "sdpa_bf16_ms",
-                            "flash_attn_bf16_ms", "ratio_packed_ieee_vs_sdpa", "ratio_packed_tf32_vs_sdpa")
+        cols = [k for k in ("packed_ms", "packed_kernel_only_ms", "packed_v1_ms", "packed_v1_kernel_only_ms",
+                            "sdpa_bf16_ms", "flash_attn_bf16_ms", "ratio_packed_vs_sdpa",
+                            "ratio_packed_kernel_only_vs_sdpa", "ratio_packed_v1_vs_sdpa")
                 if any(k in r for r in dec)]
         lines += ["", "## Decode of one token (median ms; ratio < 1: packed faster)", "",
                   "| batch | context | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 2)]
@@ -659,10 +683,13 @@ def write() -> None:
                   for r in tf]
     sw = [r for r in RESULTS["timings"] if "sweep_batch" in r]
     if sw:
-        lines += ["", "## Decode kernel alone: warps x stages x blocks per split (median ms, packed bytes / time)", "",
-                  "| batch | context | warps | stages | blocks/split | ms | GB/s |", "|" + " --- |" * 7]
-        lines += [f"| {r['sweep_batch']} | {r['context']} | {r['warps']} | {r.get('stages', 3)} | "
-                  f"{r['blocks_per_split']} | {r['kernel_ms']:.4g} | {r['GB_per_s']:.4g} |" for r in sw]
+        lines += ["", "## Decode kernel alone: version x warps x stages x unroll x blocks per split (median ms, "
+                  "packed bytes / time)", "",
+                  "| batch | context | kernel | precision | warps | stages | unroll | blocks/split | ms | GB/s |",
+                  "|" + " --- |" * 10]
+        lines += [f"| {r['sweep_batch']} | {r['context']} | {r.get('kernel', 'tile')} | {r.get('precision', 'ieee')} "
+                  f"| {r['warps']} | {r.get('stages', 3)} | {r.get('unroll', '-')} | {r['blocks_per_split']} | "
+                  f"{r['kernel_ms']:.4g} | {r['GB_per_s']:.4g} |" for r in sw]
     e2e = [r for r in RESULTS["timings"] if "e2e_context" in r]
     if e2e:
         cols = [k for k in e2e[0] if k not in ("e2e_context", "steps")]

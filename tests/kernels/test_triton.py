@@ -28,7 +28,7 @@ from kvarn.bench.gpu_check import encode_pool
 from kvarn.kernels.triton import ops
 from kvarn.kernels.triton.attention import packed_decode, paged_decode
 from kvarn.ops.packing import pack_codes, unpack_codes
-from kvarn.presets import get_preset
+from kvarn.presets import affine_preset, get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
 from kvarn.quant.policy import kernel_weighted
 from kvarn.quant.tiles import AffineTiles
@@ -83,6 +83,16 @@ def tolerance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
     return (2 * (d + 4) * EPS32 * logit_l1(q, k, scaling) + (t + d + 4) * EPS32) * vmax
 
 
+KERNELS = [("tile", "ieee"), ("planes", "ieee"), ("planes", "bf16x3")]  # decode versions 1 and 2, and precisions
+
+
+@pytest.fixture(params=KERNELS, ids=lambda k: "-".join(k))
+def kernel(request, monkeypatch):
+    """Force one decode kernel version (`ops.DECODE_KERNEL`); the test passes the precision."""
+    monkeypatch.setattr(ops, "DECODE_KERNEL", request.param[0])
+    return request.param[1]
+
+
 CASES = [  # head_dim, GQA ratio, preset
     (64, 1, "kvarn-k2v2-g64"),
     (128, 4, "kvarn-k4v2-g64"),
@@ -93,7 +103,7 @@ CASES = [  # head_dim, GQA ratio, preset
 
 
 @pytest.mark.parametrize("d,gqa,preset", CASES)
-def test_paged_decode_matches_oracle(d, gqa, preset):
+def test_paged_decode_matches_oracle(d, gqa, preset, kernel):
     gen = torch.Generator().manual_seed(1000 * d + gqa)
     kq, vq = get_preset(preset).quantizers(d)
     g, hkv, nb_pool, b = kq.tile, 2, 6, 2
@@ -111,7 +121,7 @@ def test_paged_decode_matches_oracle(d, gqa, preset):
     q = torch.randn(b, hkv * gqa, d, generator=gen)  # keys and values heavy-tailed: logits up to ~1e3
     exact = [(sink_k, sink_v, None), (tail_k, tail_v, tail_len), (new_k, new_v, None)]
     out = paged_decode(q, ops.TileFields.from_pool(kf), ops.TileFields.from_pool(vf), table, n_blocks,
-                       exact, blocks_per_split=2)  # splits of 2 blocks: row 1's second split is empty
+                       exact, blocks_per_split=2, precision=kernel)  # splits of 2: row 1's second one is empty
     scaling = d ** -0.5
     for r in range(b):
         blocks, t = table[r, :n_blocks[r]], int(tail_len[r])
@@ -135,8 +145,6 @@ def test_fixed_split_count_equals_adaptive_splits():
     (several blocks per split) and more (trailing splits empty, rows with no block at all) give the adaptive launch's
     result up to float32 merge order (1e-6 relative)."""
     gen = torch.Generator().manual_seed(21)
-    from kvarn.presets import affine_preset
-
     kq, vq = affine_preset("kvarn", 2, 2, 16).quantizers(16)  # the smallest tile the kernels take
     nb, h, d = 8, 2, 16
     fk = torch.zeros(nb, h, dtype=torch.bool)
@@ -154,7 +162,7 @@ def test_fixed_split_count_equals_adaptive_splits():
 
 
 @pytest.mark.parametrize("d,gqa,preset", [(64, 4, "kvarn-k2v2-g64"), (128, 1, "kvarn-auto-k2v2-g64")])
-def test_cache_adapter_matches_oracle(d, gqa, preset):
+def test_cache_adapter_matches_oracle(d, gqa, preset, kernel):
     """packed_decode over transformers-cache fields [B, H, n, ...] (block_table[b, j] = j)."""
     gen = torch.Generator().manual_seed(7 * d + gqa)
     kq, vq = get_preset(preset).quantizers(d)
@@ -172,7 +180,7 @@ def test_cache_adapter_matches_oracle(d, gqa, preset):
                         (b, hkv, d), torch.float32)
 
     past = KVarNPast(view(kf, kq, sink_k, tail_k), view(vf, vq, sink_v, tail_v))
-    got = packed_decode(q, new_k, new_v, past)  # [B, 1, Hq, D]
+    got = packed_decode(q, new_k, new_v, past, precision=kernel)  # [B, 1, Hq, D]
     ok = torch.ones(b, 1, 1, past.length + 1, dtype=torch.bool)
     want = oracle(q, new_k, new_v, past, ok, d ** -0.5)
     kall = torch.cat([past.keys.dequantized(torch.float32), new_k], 2)
@@ -194,6 +202,45 @@ def test_decode_refuses_bad_input():
         vf = encode_pool(vq, torch.randn(2, 1, 64, 64), torch.zeros(2, 1, dtype=torch.bool))
         paged_decode(torch.randn(1, 1, 64), keys, ops.TileFields.from_pool(vf), torch.zeros(1, 2),
                      torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="precision"):
+        paged_decode(torch.randn(1, 1, 64), keys, ops.TileFields.from_pool(vf), torch.zeros(1, 2, dtype=torch.int32),
+                     torch.ones(1, dtype=torch.int32), precision="bf16")
+
+
+def test_decode_kernel_choice(monkeypatch):
+    """Version 2 (planes) runs where its dots have >= 16 rows, version 1 (tile) elsewhere; forcing a version that
+    cannot read the tiles, or bf16x3 on version 1, is refused by name."""
+    assert ops.planes_unsupported(64, 64, 2, 2) is None and ops.planes_unsupported(128, 128, 4, 4) is None
+    assert "< 16 rows" in ops.planes_unsupported(64, 32, 2, 2) and "< 16 rows" in ops.planes_unsupported(32, 128, 2, 2)
+    kq, vq = affine_preset("kvarn", 2, 2, 16).quantizers(16)
+    flags = torch.zeros(2, 1, dtype=torch.bool)
+    keys = ops.TileFields.from_pool(encode_pool(kq, torch.randn(2, 1, 16, 16), flags))
+    values = ops.TileFields.from_pool(encode_pool(vq, torch.randn(2, 1, 16, 16), flags))
+    call = (torch.randn(1, 1, 16), keys, values, torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    assert paged_decode(*call).isfinite().all()  # auto: version 1
+    monkeypatch.setattr(ops, "DECODE_KERNEL", "planes")
+    with pytest.raises(ValueError, match="planes decode kernel cannot read"):
+        paged_decode(*call)
+    monkeypatch.setattr(ops, "DECODE_KERNEL", "tile")
+    with pytest.raises(ValueError, match=r"bf16x3.*planes"):
+        paged_decode(*call, precision="bf16x3")
+
+
+@pytest.mark.parametrize("preset", ["kvarn-k4v4-g64", "kvarn-auto-k4v4-g64"])
+def test_planes_kernel_equals_tile_kernel(preset, monkeypatch):
+    """4-bit values (two value planes) and 4-bit keys through both versions, ieee: the same sums in another order."""
+    gen = torch.Generator().manual_seed(5)
+    kq, vq = get_preset(preset).quantizers(64)
+    flags = torch.tensor([[1, 0], [0, 1], [1, 1]], dtype=torch.bool)
+    kf = encode_pool(kq, heavy_tailed(3, 2, 64, 64, generator=gen).float(), flags)
+    vf = encode_pool(vq, heavy_tailed(3, 2, 64, 64, generator=gen).float(), ~flags)
+    call = (torch.randn(2, 4, 64, generator=gen), ops.TileFields.from_pool(kf), ops.TileFields.from_pool(vf),
+            torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32))
+    out = {}
+    for kind in ("tile", "planes"):
+        monkeypatch.setattr(ops, "DECODE_KERNEL", kind)
+        out[kind] = paged_decode(*call)
+    torch.testing.assert_close(out["planes"], out["tile"], rtol=1e-5, atol=1e-5 * float(out["tile"].abs().max()))
 
 
 # -- store ---------------------------------------------------------------------------------------------------------
@@ -310,7 +357,7 @@ def test_kernels_compile_for_cuda():
     run = subprocess.run([sys.executable, "-m", "kvarn.kernels.triton.compile_check"], env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("compiled for sm_90") == 4, run.stdout
+    assert run.stdout.count("compiled for sm_90") == 7, run.stdout
 
 
 # -- the prepared GPU check ----------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ Exact = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 def paged_decode(query: torch.Tensor, keys: TileFields, values: TileFields, block_table: torch.Tensor,
                  n_blocks: torch.Tensor, exact: Sequence[Exact] = (), scaling: float | None = None,
-                 blocks_per_split: int | None = None, precision: Precision = "ieee",
+                 blocks_per_split: int | None = None, precision: Precision = "auto",
                  splits: int | None = None) -> torch.Tensor:
     """softmax(q K^T * scaling) V for one query token per batch row over packed tiles + exact regions; splits: a
     fixed split count (`ops.decode_partials`)."""
@@ -59,7 +59,7 @@ def _refuse(view: StoredKV, kind: str) -> None:
 
 def packed_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast,
                   scaling: float | None = None, blocks_per_split: int | None = None,
-                  precision: Precision = "ieee") -> torch.Tensor:
+                  precision: Precision = "auto") -> torch.Tensor:
     """One decode step of the transformers cache: query [B, Hq, 1, D], fresh key/value [B, Hkv, 1, D], the stored
     past (sink | packed tiles | tail) -> [B, 1, Hq, D], as `packed_attention` with no mask."""
     if query.dim() != 4 or query.shape[2] != 1 or key.shape[2] != 1:

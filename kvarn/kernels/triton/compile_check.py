@@ -3,8 +3,9 @@ interpreter accepts but the compiler refuses (non-constexpr globals, layout or t
 
     python -m kvarn.kernels.triton.compile_check [--arch 90]
 
-Compiles the decode kernel (kvarn-k2v2 fp16 scales, ieee; kvarn-auto fp8 column scales, tf32) and the store
-kernel (keys and values, kvarn-k2v2 and auto) at D = G = 128. Must run with TRITON_INTERPRET unset.
+Compiles the decode kernels (version 1, tile: kvarn-k2v2 fp16 scales, ieee; kvarn-auto fp8 column scales, tf32;
+version 2, planes: kvarn-k2v2 bf16x3 and kvarn-auto-k4v2 ieee at D = 128, kvarn-auto-k2v2 bf16x3 at D = 64) and the
+store kernel (keys and values, kvarn-k2v2 and auto) at G = 128. Must run with TRITON_INTERPRET unset.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main() -> int:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from kvarn.kernels.triton.kernels.decode import decode_split_kernel
+    from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel
     from kvarn.kernels.triton.kernels.store import store_tiles_kernel
     from kvarn.kernels.triton.ops import NUM_WARPS
 
@@ -46,6 +47,10 @@ def main() -> int:
         build(decode_split_kernel, dec | {"kt_ptr": col, "vt_ptr": col},
               {"MP": 16, "D": 128, "G": 128, "KBITS": 2, "VBITS": 2, "KROT": rot, "VROT": rot, "KCOL": True,
                "VCOL": True, "PLANES": False, "PREC": prec})
+    for d, kbits, col, rot, prec in ((128, 2, "*fp16", 1, 2), (128, 4, "*fp8e4nv", 2, 0), (64, 2, "*fp8e4nv", 2, 2)):
+        build(decode_planes_kernel, dec | {"kt_ptr": col, "vt_ptr": col},
+              {"MP": 16, "D": d, "G": 128, "KBITS": kbits, "VBITS": 2, "KROT": rot, "VROT": rot, "KCOL": True,
+               "VCOL": True, "PREC": prec, "UNROLL": 1})
     st = {"x_ptr": "*bf16", "dst_ptr": "*i32", "flag_ptr": "*u8", "hm_ptr": "*fp32", "c_ptr": "*u8", "f_ptr": "*u8",
           "a_ptr": "*fp16", "z_ptr": "*fp16", "t_ptr": "*fp16"}
     for channel, rot in ((True, 1), (False, 2)):

@@ -22,7 +22,7 @@ import torch
 import triton
 
 from kvarn.kernels.triton.kernels.codes import pack_kernel, unpack_kernel
-from kvarn.kernels.triton.kernels.decode import decode_split_kernel
+from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel
 from kvarn.kernels.triton.kernels.store import store_tiles_kernel
 from kvarn.ops.codes import Rotation
 from kvarn.ops.hadamard import hadamard_dense
@@ -32,11 +32,20 @@ from kvarn.quant.policy import query_weighted, squared_error
 from kvarn.quant.tiles import AffineFormat, AffineTiles
 
 Layout = Literal["cache", "pool", "strided"]
-Precision = Literal["ieee", "tf32"]
+Precision = Literal["auto", "ieee", "tf32", "bf16x3"]
+PRECISIONS = {"ieee": 0, "tf32": 1, "bf16x3": 2}  # the kernels' PREC
+# "auto": the planes kernel multiplies codes by three bf16 parts of the float32 operand on tensor cores (H200: within
+# the float32 bound of gpu_check step 1), the tile kernel in float32 ("ieee"); "tf32" is measured, never used
+AUTO_PRECISION = {"planes": "bf16x3", "tile": "ieee"}
 SUPPORTED_BITS = (2, 4)
 NUM_WARPS = 8  # a program holds [D, G] float32 code tiles (64 KiB at D = G = 128): 8 warps keep them in registers
 DECODE_STAGES = 3  # Triton's default software pipelining depth for the decode loop (H200, 2026-12-04: 107 KiB of
 # shared memory and 97 registers per 256-thread program, 2 programs per SM; gpu_check step 4 sweeps it)
+# (warps, pipeline stages, unroll of the sub-chunk loop) of each decode kernel version; gpu_check step 4 sweeps them.
+# planes on the H200 (2026-12-04, evening): 4 warps 1.9x faster than 8 at batch 8, 32k (8: 255 registers, spills)
+DECODE_LAUNCH = {"tile": (NUM_WARPS, DECODE_STAGES, 1), "planes": (2, 2, 1)}
+DECODE_KERNEL: Literal["auto", "tile", "planes"] = "auto"  # auto: planes (version 2) where `planes_unsupported`
+# says it can run, else tile (version 1, `decode_split_kernel`)
 
 # A partial softmax state over some keys, for M query rows: running max m [B, H, k, M], sum l [B, H, k, M],
 # unnormalized outputs acc_rot / acc_plain [B, H, k, M, D] (acc_rot None: nothing rotated).
@@ -57,8 +66,12 @@ def code_layout() -> bool:
     raise RuntimeError(f"kvarn.ops.packing writes a code layout the Triton kernels do not know: {packed}")
 
 
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _check_device(*tensors: torch.Tensor) -> None:
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = _interpreted()
     std = getattr(triton.language.standard, "_sum_combine", None)  # @jit-decorated when triton was imported
     if interpret and std is not None and type(std).__name__ == "JITFunction":
         raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported (by torch, transformers or another "
@@ -196,9 +209,19 @@ def _splits(batch_heads: int, max_blocks: int, device: torch.device) -> int:
     return min(MAX_BLOCKS_PER_SPLIT, -(-max_blocks // splits))
 
 
+def planes_unsupported(d: int, g: int, kbits: int, vbits: int) -> str | None:
+    """Why the planes kernel (version 2) cannot take these tiles (None: it can): its dots need >= 16 tokens per key
+    plane and >= 16 channels per value plane, and the planes code layout."""
+    if not code_layout():
+        return "kvarn.ops.packing writes consecutive codes, not planes"
+    if g * kbits // 8 < 16 or d * vbits // 8 < 16:
+        return f"G = {g} with {kbits}-bit keys or D = {d} with {vbits}-bit values gives planes of < 16 rows"
+    return None
+
+
 def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileFields, values: TileFields,
                     block_table: torch.Tensor, n_blocks: torch.Tensor, blocks_per_split: int | None = None,
-                    precision: Precision = "ieee", splits: int | None = None) -> State:
+                    precision: Precision = "auto", splits: int | None = None) -> State:
     """Split-K partial states of the packed tiles (kernels/decode.py). q, q_rot [B, H, M, D] float32, already
     scaled (q_rot = q H, needed when either kind is rotated); block_table [B, max_blocks] int32, n_blocks [B]
     int32 (n_blocks[b] <= max_blocks, not checked on the device: no host sync). splits: a fixed split count S (grid
@@ -217,8 +240,8 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
             or block_table.shape[0] != b or n_blocks.shape != (b,):
         raise ValueError(f"block_table must be int32 [B={b}, max_blocks] and n_blocks int32 [B]: got "
                          f"{block_table.dtype} {tuple(block_table.shape)}, {n_blocks.dtype} {tuple(n_blocks.shape)}")
-    if precision not in ("ieee", "tf32"):
-        raise ValueError(f"precision must be 'ieee' or 'tf32', got {precision!r}")
+    if precision != "auto" and precision not in PRECISIONS:
+        raise ValueError(f"precision must be 'auto' or one of {', '.join(PRECISIONS)}, got {precision!r}")
     rotated = keys.rotate != "none" or values.rotate != "none"
     if rotated and q_rot is None:
         raise ValueError("rotated tiles need the rotated query q_rot = q H")
@@ -244,13 +267,27 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
     acc_r = qp.new_empty(b, h, s, mp, d)
     acc_p = torch.empty_like(acc_r)
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    decode_split_kernel[(b * h, s)](
+    why = planes_unsupported(d, g, keys.bits, values.bits)
+    kind = DECODE_KERNEL if DECODE_KERNEL != "auto" else "tile" if why else "planes"
+    if kind == "planes" and why:
+        raise ValueError(f"the planes decode kernel cannot read these tiles: {why}")
+    if kind == "tile" and precision == "bf16x3":
+        raise ValueError("precision 'bf16x3' needs the planes decode kernel")
+    precision = AUTO_PRECISION[kind] if precision == "auto" else precision
+    prec = PRECISIONS[precision] + int(precision == "bf16x3" and _interpreted())  # 3: bf16x3 emulated (kernels)
+    consts = dict(MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=int(Rotation.of(keys.rotate)),
+                  VROT=int(Rotation.of(values.rotate)), KCOL=keys.col_scale is not None,
+                  VCOL=values.col_scale is not None, PREC=prec)
+    warps, stages, unroll = DECODE_LAUNCH[kind]
+    kernel = decode_planes_kernel if kind == "planes" else decode_split_kernel
+    if kind == "tile":
+        consts["PLANES"] = code_layout()
+    else:
+        consts["UNROLL"] = unroll
+    kernel[(b * h, s)](
         qp, qrp, qp.stride(0), qp.stride(1), bt, bt.stride(0), n_blocks.contiguous(),
         *keys.all_args(), *values.all_args(),
-        m_part, l_part, acc_r, acc_p, h, s, bps,
-        MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=int(Rotation.of(keys.rotate)),
-        VROT=int(Rotation.of(values.rotate)), KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None,
-        PLANES=code_layout(), PREC=1 if precision == "tf32" else 0, num_warps=NUM_WARPS, num_stages=DECODE_STAGES,
+        m_part, l_part, acc_r, acc_p, h, s, bps, **consts, num_warps=warps, num_stages=stages,
     )
     return m_part[..., :m], l_part[..., :m], acc_r[..., :m, :], acc_p[..., :m, :]
 
@@ -285,7 +322,7 @@ def merge_states(states: Sequence[State]) -> tuple[torch.Tensor, torch.Tensor]:
 def decode_attention(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileFields, values: TileFields,
                      block_table: torch.Tensor, n_blocks: torch.Tensor,
                      exact: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = (),
-                     blocks_per_split: int | None = None, precision: Precision = "ieee",
+                     blocks_per_split: int | None = None, precision: Precision = "auto",
                      splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax attention of q [B, H, M, D] (scaled, float32) over packed tiles + exact regions (k, v [B, H, t, D],
     lengths [B] or None) in one softmax -> (out_rot, out_plain) [B, H, M, D]; o = out_rot @ H + out_plain."""

@@ -106,3 +106,156 @@ def decode_split_kernel(
     ao = so * D + rm[:, None] * D + rd[None, :]
     tl.store(or_ptr + ao, acc_r)
     tl.store(op_ptr + ao, acc_p)
+
+
+# -- version 2: code planes unpacked in registers ------------------------------------------------------------------
+# The kernel above reads each code byte once per code it holds and turns a whole [128, 128] float32 tile through
+# shared memory per `tl.dot` (H200: L1-bound, 107 KB of shared memory a program; docs/gpu). In the planes layout
+# (kernels/codes.py) bit plane p of a key row holds the G / PER consecutive tokens [p G/PER, (p+1) G/PER), and bit
+# plane p of a value row the channels [p D/PER, (p+1) D/PER). So one vectorized load of a key tile's bytes [D, G/PER]
+# gives PER sub-chunks of G/PER tokens, each scored by one small dot, updated into the online softmax, and multiplied
+# with the bytes [G/PER, D/PER] of its value rows, one dot per value plane: every byte is read once and no float tile
+# is built. Codes are small integers, exact in bf16: PREC 2 ("bf16x3") splits the float32 operand into three bf16
+# parts (8 + 8 + 8 significant bits) for tensor-core dots accumulated in float32.
+
+
+@triton.jit
+def _parts(a, PREC: tl.constexpr):
+    """a (float32) as the dot operands of `_mm`: (hi, mid, lo) bf16 with a ~= hi + mid + lo for PREC >= 2, else a."""
+    if PREC >= 2:
+        hi = a.to(tl.bfloat16)
+        r = a - hi.to(tl.float32)  # exact: hi holds a's leading 8 bits
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    else:  # one return: Triton wants a single return type across a jit function's returns
+        hi = a
+        mid = a
+        lo = a
+    return hi, mid, lo
+
+
+@triton.jit
+def _mm(hi, mid, lo, c, PREC: tl.constexpr):
+    """(hi + mid + lo) [M, K] @ c [K, N] (integer codes) in float32; the small parts first. PREC 3: PREC 2's parts
+    multiplied as float32 (Triton's interpreter multiplies bf16 dot operands wrongly: tests run this)."""
+    if PREC == 2:
+        cb = c.to(tl.bfloat16)
+        acc = tl.dot(lo, cb)
+        acc = tl.dot(mid, cb, acc)
+        acc = tl.dot(hi, cb, acc)
+    elif PREC == 3:
+        cf = c.to(tl.float32)
+        acc = tl.dot(lo.to(tl.float32), cf, input_precision="ieee")
+        acc = tl.dot(mid.to(tl.float32), cf, acc, input_precision="ieee")
+        acc = tl.dot(hi.to(tl.float32), cf, acc, input_precision="ieee")
+    else:
+        acc = _dot(hi, c.to(tl.float32), PREC)
+    return acc
+
+
+@triton.jit
+def _planes(o0, o1, o2, o3, PER: tl.constexpr, M: tl.constexpr, D: tl.constexpr):
+    """Value planes' outputs [M, D/PER] (plane p = channels [p D/PER, (p+1) D/PER)) -> [M, D]."""
+    if PER == 2:
+        return tl.reshape(tl.permute(tl.join(o0, o1), (0, 2, 1)), (M, D))
+    x = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [M, D/4, i, j] holds plane 2 i + j
+    return tl.reshape(tl.permute(x, (0, 2, 3, 1)), (M, D))
+
+
+@triton.jit
+def decode_planes_kernel(
+    q_ptr, qr_ptr, sq_b, sq_h,
+    bt_ptr, sbt, nb_ptr,
+    kc_ptr, kc_b, kc_n, kc_h, ka_ptr, ka_b, ka_n, ka_h, kz_ptr, kz_b, kz_n, kz_h,
+    kt_ptr, kt_b, kt_n, kt_h, kf_ptr, kf_b, kf_n, kf_h,
+    vc_ptr, vc_b, vc_n, vc_h, va_ptr, va_b, va_n, va_h, vz_ptr, vz_b, vz_n, vz_h,
+    vt_ptr, vt_b, vt_n, vt_h, vf_ptr, vf_b, vf_n, vf_h,
+    m_ptr, l_ptr, or_ptr, op_ptr,
+    H, S, BPS,
+    MP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    KROT: tl.constexpr, VROT: tl.constexpr, KCOL: tl.constexpr, VCOL: tl.constexpr, PREC: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """`decode_split_kernel`'s arguments, outputs and arithmetic (planes layout only): per sub-chunk of GB tokens,
+    s = t * ((q a) @ codes + q . z), the online softmax, o = c * ((p a) @ codes + p . z) per value plane."""
+    KPER: tl.constexpr = 8 // KBITS
+    VPER: tl.constexpr = 8 // VBITS
+    GB: tl.constexpr = G // KPER  # tokens per key plane = bytes per key row
+    DB: tl.constexpr = D // VPER  # channels per value plane = bytes per value row
+    KM: tl.constexpr = (1 << KBITS) - 1
+    VM: tl.constexpr = (1 << VBITS) - 1
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    b = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    nb = tl.load(nb_ptr + b)
+    j0 = s * BPS
+    j1 = tl.minimum(j0 + BPS, nb)
+    rm = tl.arange(0, MP)
+    rd = tl.arange(0, D)
+    rt = tl.arange(0, GB)
+    rc = tl.arange(0, DB)
+    qoff = b * sq_b + h * sq_h + rm[:, None] * D + rd[None, :]
+    q = tl.load(q_ptr + qoff)
+    qr = tl.load(qr_ptr + qoff)
+    m_i = tl.full([MP], float("-inf"), tl.float32)
+    l_i = tl.zeros([MP], tl.float32)
+    acc_r = tl.zeros([MP, D], tl.float32)
+    acc_p = tl.zeros([MP, D], tl.float32)
+    for j in range(j0, j1):
+        blk = tl.load(bt_ptr + b * sbt + j).to(tl.int64)
+        kbytes = tl.load(kc_ptr + blk * kc_n + h * kc_h + b * kc_b + rd[:, None] * GB + rt[None, :])
+        ka = tl.load(ka_ptr + blk * ka_n + h * ka_h + b * ka_b + rd).to(tl.float32)
+        kz = tl.load(kz_ptr + blk * kz_n + h * kz_h + b * kz_b + rd).to(tl.float32)
+        if KROT == 0:
+            qk = q
+        elif KROT == 1:
+            qk = qr
+        else:
+            flag = tl.load(kf_ptr + blk * kf_n + h * kf_h + b * kf_b)
+            qk = tl.where(flag != 0, qr, q)
+        qh, qm, ql = _parts(qk * ka[None, :], PREC)
+        qz = tl.sum(qk * kz[None, :], axis=1)
+        vo = blk * vc_n + h * vc_h + b * vc_b
+        if VROT == 2:
+            vflag = tl.load(vf_ptr + blk * vf_n + h * vf_h + b * vf_b)
+        for p in tl.range(0, KPER, loop_unroll_factor=UNROLL):  # UNROLL 1: a loop (fewer live registers)
+            # -- keys: logits [MP, GB] of tokens p GB + rt
+            sc = _mm(qh, qm, ql, (kbytes >> (p * KBITS)) & KM, PREC) + qz[:, None]
+            if KCOL:
+                sc = sc * tl.load(kt_ptr + blk * kt_n + h * kt_h + b * kt_b + p * GB + rt).to(tl.float32)[None, :]
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            m_i = m_new
+            # -- values: rows p GB + rt, one dot per value plane
+            tok = p * GB + rt
+            vbytes = tl.load(vc_ptr + vo + tok[:, None] * DB + rc[None, :])
+            va = tl.load(va_ptr + blk * va_n + h * va_h + b * va_b + tok).to(tl.float32)
+            vz = tl.load(vz_ptr + blk * vz_n + h * vz_h + b * vz_b + tok).to(tl.float32)
+            ph, pm, pl = _parts(pr * va[None, :], PREC)
+            o0 = _mm(ph, pm, pl, vbytes & VM, PREC)
+            o1 = _mm(ph, pm, pl, (vbytes >> VBITS) & VM, PREC)
+            if VPER == 4:
+                o2 = _mm(ph, pm, pl, (vbytes >> (2 * VBITS)) & VM, PREC)
+                o3 = _mm(ph, pm, pl, (vbytes >> (3 * VBITS)) & VM, PREC)
+                o = _planes(o0, o1, o2, o3, VPER, MP, D)
+            else:
+                o = _planes(o0, o1, o0, o1, VPER, MP, D)
+            o = o + tl.sum(pr * vz[None, :], axis=1)[:, None]
+            if VCOL:
+                o = o * tl.load(vt_ptr + blk * vt_n + h * vt_h + b * vt_b + rd).to(tl.float32)[None, :]
+            if VROT == 0:  # the accumulator a rotation never feeds stays 0
+                acc_p = acc_p * alpha[:, None] + o
+            elif VROT == 1:
+                acc_r = acc_r * alpha[:, None] + o
+            else:
+                acc_r = acc_r * alpha[:, None] + tl.where(vflag != 0, o, 0.0)
+                acc_p = acc_p * alpha[:, None] + tl.where(vflag != 0, 0.0, o)
+    so = (pid * S + s) * MP
+    tl.store(m_ptr + so + rm, m_i)
+    tl.store(l_ptr + so + rm, l_i)
+    ao = so * D + rm[:, None] * D + rd[None, :]
+    tl.store(or_ptr + ao, acc_r)
+    tl.store(op_ptr + ao, acc_p)
