@@ -63,8 +63,10 @@ def encode_pool(quantizer, x: torch.Tensor, flag: torch.Tensor):
     return tiles.map(lambda v: v.unflatten(0, x.shape[:2]).contiguous())  # encode may return views
 
 
-DECODE_VARIANTS = [("planes", "bf16x3"), ("planes", "ieee"), ("tile", "ieee")]  # version 2 (the default), version 1
-SWEEP = {"planes": [(2, 2, 1), (1, 2, 1), (2, 3, 1), (2, 2, 2), (4, 2, 1)], "tile": [(8, 3, 1)]}  # warps, stages,
+DECODE_VARIANTS = [("planes", "bf16x3"), ("planes", "ieee"), ("tile", "ieee"), ("stacked", "bf16x3")]  # version 2
+# (the default), version 1, the version 3 candidate
+SWEEP = {"planes": [(2, 2, 1), (1, 2, 1), (2, 3, 1), (2, 2, 2), (4, 2, 1)], "tile": [(8, 3, 1)],
+         "stacked": [(4, 2, 1), (2, 2, 1), (8, 2, 1)]}  # warps, stages,
 # unroll of step 4 (planes at 8 warps, unrolled: 255 registers and spills on the H200, evening of 2026-12-04)
 
 
@@ -457,7 +459,7 @@ def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: i
     every compiled variant: where the decode kernel's time goes. ncu: batch 8 only, the default configuration
     launched 3 times and nothing timed (for `ncu --launch-skip 2`)."""
     from kvarn.kernels.triton import ops
-    from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel
+    from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel, decode_stacked_kernel
     from kvarn.presets import get_preset
 
     kq, vq = get_preset(f"kvarn-k2v2-g{g}").quantizers(d)
@@ -476,10 +478,10 @@ def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: i
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 return
-            for kind, prec in DECODE_VARIANTS[:1] + DECODE_VARIANTS[2:]:  # planes ieee: 5-20x slower (run 1)
+            for kind, prec in [v for v in DECODE_VARIANTS if v != ("planes", "ieee")]:  # 2-13x slower (run 1)
                 for warps, stages, unroll in SWEEP[kind]:
                     ops.DECODE_LAUNCH[kind] = (warps, stages, unroll)
-                    for bps in (None, 4) if kind == "planes" else (8,):
+                    for bps in (8,) if kind == "tile" else (None, 4):
                         with decode_kernel(kind):
                             ms = bench(lambda b_=bps, p=prec, a=call: ops.decode_partials(*a, b_, p), smoke)
                         row = {"sweep_batch": bsz, "context": ctx, "kernel": kind, "precision": prec,
@@ -488,7 +490,7 @@ def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: i
                         RESULTS["timings"].append(row)
                         log("   " + json.dumps(row))
         try:  # registers and spills of the compiled variants (Triton's per-device cache of compiled kernels)
-            for fn in (decode_split_kernel, decode_planes_kernel):
+            for fn in (decode_split_kernel, decode_planes_kernel, decode_stacked_kernel):
                 for cache in fn.device_caches.values():
                     for kern in cache[0].values():
                         log(f"   compiled {fn.__name__}: warps={kern.metadata.num_warps} "

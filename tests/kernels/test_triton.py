@@ -83,7 +83,8 @@ def tolerance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
     return (2 * (d + 4) * EPS32 * logit_l1(q, k, scaling) + (t + d + 4) * EPS32) * vmax
 
 
-KERNELS = [("tile", "ieee"), ("planes", "ieee"), ("planes", "bf16x3")]  # decode versions 1 and 2, and precisions
+KERNELS = [("tile", "ieee"), ("planes", "ieee"), ("planes", "bf16x3"), ("stacked", "bf16x3")]  # decode versions
+# 1 and 2, the version 3 candidate, and precisions
 
 
 @pytest.fixture(params=KERNELS, ids=lambda k: "-".join(k))
@@ -224,11 +225,15 @@ def test_decode_kernel_choice(monkeypatch):
     monkeypatch.setattr(ops, "DECODE_KERNEL", "tile")
     with pytest.raises(ValueError, match=r"bf16x3.*planes"):
         paged_decode(*call, precision="bf16x3")
+    monkeypatch.setattr(ops, "DECODE_KERNEL", "stacked")
+    with pytest.raises(ValueError, match="stacked decode kernel cannot read"):
+        paged_decode(*call)
 
 
 @pytest.mark.parametrize("preset", ["kvarn-k4v4-g64", "kvarn-auto-k4v4-g64"])
 def test_planes_kernel_equals_tile_kernel(preset, monkeypatch):
-    """4-bit values (two value planes) and 4-bit keys through both versions, ieee: the same sums in another order."""
+    """4-bit values (two value planes) and 4-bit keys through every version (auto precision): the same sums in another
+    order, and bf16x3's parts."""
     gen = torch.Generator().manual_seed(5)
     kq, vq = get_preset(preset).quantizers(64)
     flags = torch.tensor([[1, 0], [0, 1], [1, 1]], dtype=torch.bool)
@@ -237,10 +242,11 @@ def test_planes_kernel_equals_tile_kernel(preset, monkeypatch):
     call = (torch.randn(2, 4, 64, generator=gen), ops.TileFields.from_pool(kf), ops.TileFields.from_pool(vf),
             torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32))
     out = {}
-    for kind in ("tile", "planes"):
+    for kind in ("tile", "planes", "stacked"):
         monkeypatch.setattr(ops, "DECODE_KERNEL", kind)
         out[kind] = paged_decode(*call)
-    torch.testing.assert_close(out["planes"], out["tile"], rtol=1e-5, atol=1e-5 * float(out["tile"].abs().max()))
+    for kind in ("planes", "stacked"):
+        torch.testing.assert_close(out[kind], out["tile"], rtol=1e-5, atol=1e-5 * float(out["tile"].abs().max()))
 
 
 # -- store ---------------------------------------------------------------------------------------------------------
@@ -357,7 +363,7 @@ def test_kernels_compile_for_cuda():
     run = subprocess.run([sys.executable, "-m", "kvarn.kernels.triton.compile_check"], env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("compiled for sm_90") == 7, run.stdout
+    assert run.stdout.count("compiled for sm_90") == 9, run.stdout
 
 
 # -- the prepared GPU check ----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 import triton
 
 from kvarn.kernels.triton.kernels.codes import pack_kernel, unpack_kernel
-from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel
+from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel, decode_stacked_kernel
 from kvarn.kernels.triton.kernels.store import store_tiles_kernel
 from kvarn.ops.codes import Rotation
 from kvarn.ops.hadamard import hadamard_dense
@@ -36,16 +36,18 @@ Precision = Literal["auto", "ieee", "tf32", "bf16x3"]
 PRECISIONS = {"ieee": 0, "tf32": 1, "bf16x3": 2}  # the kernels' PREC
 # "auto": the planes kernel multiplies codes by three bf16 parts of the float32 operand on tensor cores (H200: within
 # the float32 bound of gpu_check step 1), the tile kernel in float32 ("ieee"); "tf32" is measured, never used
-AUTO_PRECISION = {"planes": "bf16x3", "tile": "ieee"}
+AUTO_PRECISION = {"planes": "bf16x3", "stacked": "bf16x3", "tile": "ieee"}
 SUPPORTED_BITS = (2, 4)
 NUM_WARPS = 8  # a program holds [D, G] float32 code tiles (64 KiB at D = G = 128): 8 warps keep them in registers
 DECODE_STAGES = 3  # Triton's default software pipelining depth for the decode loop (H200, 2026-12-04: 107 KiB of
 # shared memory and 97 registers per 256-thread program, 2 programs per SM; gpu_check step 4 sweeps it)
 # (warps, pipeline stages, unroll of the sub-chunk loop) of each decode kernel version; gpu_check step 4 sweeps them.
-# planes on the H200 (2026-12-04, evening): 4 warps 1.9x faster than 8 at batch 8, 32k (8: 255 registers, spills)
-DECODE_LAUNCH = {"tile": (NUM_WARPS, DECODE_STAGES, 1), "planes": (2, 2, 1)}
-DECODE_KERNEL: Literal["auto", "tile", "planes"] = "auto"  # auto: planes (version 2) where `planes_unsupported`
-# says it can run, else tile (version 1, `decode_split_kernel`)
+# planes on the H200 (2026-12-04, evening; batch 8, 32k): 2 warps 0.50 ms, 4 warps 0.64, 8 warps 1.49
+# (docs/gpu/h200-2026-12-04b.md); stacked: never timed
+DECODE_LAUNCH = {"tile": (NUM_WARPS, DECODE_STAGES, 1), "planes": (2, 2, 1), "stacked": (4, 2, 1)}
+DECODE_KERNEL: Literal["auto", "tile", "planes", "stacked"] = "auto"  # auto: planes (version 2) where
+# `planes_unsupported` says it can run, else tile (version 1, `decode_split_kernel`); stacked: the version 3
+# candidate (opt-in until timed on a GPU, kernels/decode.py)
 
 # A partial softmax state over some keys, for M query rows: running max m [B, H, k, M], sum l [B, H, k, M],
 # unnormalized outputs acc_rot / acc_plain [B, H, k, M, D] (acc_rot None: nothing rotated).
@@ -246,7 +248,18 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
     if rotated and q_rot is None:
         raise ValueError("rotated tiles need the rotated query q_rot = q H")
     _check_device(q, keys.codes, values.codes, block_table)
-    mp = max(16, triton.next_power_of_2(m))
+    why = planes_unsupported(d, g, keys.bits, values.bits)
+    kind = DECODE_KERNEL if DECODE_KERNEL != "auto" else "tile" if why else "planes"
+    if kind != "tile" and why:
+        raise ValueError(f"the {kind} decode kernel cannot read these tiles: {why}")
+    if kind == "tile" and precision == "bf16x3":
+        raise ValueError("precision 'bf16x3' needs the planes or stacked decode kernel")
+    if kind == "stacked" and precision not in ("auto", "bf16x3"):
+        raise ValueError(f"the stacked decode kernel runs bf16x3 only, not {precision!r}")
+    precision = AUTO_PRECISION[kind] if precision == "auto" else precision
+    # rows of the partial states: MP query rows (>= 16, a dot's minimum), or QP for the stacked kernel, whose dots
+    # take 4 QP rows (three bf16 parts and a zero part per query row)
+    mp = max(4, triton.next_power_of_2(m)) if kind == "stacked" else max(16, triton.next_power_of_2(m))
     qp = q.new_zeros(b, h, mp, d, dtype=torch.float32)
     qp[:, :, :m] = q
     if rotated:
@@ -267,19 +280,12 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
     acc_r = qp.new_empty(b, h, s, mp, d)
     acc_p = torch.empty_like(acc_r)
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    why = planes_unsupported(d, g, keys.bits, values.bits)
-    kind = DECODE_KERNEL if DECODE_KERNEL != "auto" else "tile" if why else "planes"
-    if kind == "planes" and why:
-        raise ValueError(f"the planes decode kernel cannot read these tiles: {why}")
-    if kind == "tile" and precision == "bf16x3":
-        raise ValueError("precision 'bf16x3' needs the planes decode kernel")
-    precision = AUTO_PRECISION[kind] if precision == "auto" else precision
     prec = PRECISIONS[precision] + int(precision == "bf16x3" and _interpreted())  # 3: bf16x3 emulated (kernels)
-    consts = dict(MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits, KROT=int(Rotation.of(keys.rotate)),
-                  VROT=int(Rotation.of(values.rotate)), KCOL=keys.col_scale is not None,
-                  VCOL=values.col_scale is not None, PREC=prec)
+    consts = dict(MP=4 * mp if kind == "stacked" else mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits,
+                  KROT=int(Rotation.of(keys.rotate)), VROT=int(Rotation.of(values.rotate)),
+                  KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None, PREC=prec)
     warps, stages, unroll = DECODE_LAUNCH[kind]
-    kernel = decode_planes_kernel if kind == "planes" else decode_split_kernel
+    kernel = {"tile": decode_split_kernel, "planes": decode_planes_kernel, "stacked": decode_stacked_kernel}[kind]
     if kind == "tile":
         consts["PLANES"] = code_layout()
     else:
