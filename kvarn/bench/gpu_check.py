@@ -459,7 +459,7 @@ def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: i
     every compiled variant: where the decode kernel's time goes. ncu: batch 8 only, the default configuration
     launched 3 times and nothing timed (for `ncu --launch-skip 2`)."""
     from kvarn.kernels.triton import ops
-    from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel, decode_stacked_kernel
+    from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel
     from kvarn.presets import get_preset
 
     kq, vq = get_preset(f"kvarn-k2v2-g{g}").quantizers(d)
@@ -490,7 +490,7 @@ def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: i
                         RESULTS["timings"].append(row)
                         log("   " + json.dumps(row))
         try:  # registers and spills of the compiled variants (Triton's per-device cache of compiled kernels)
-            for fn in (decode_split_kernel, decode_planes_kernel, decode_stacked_kernel):
+            for fn in (decode_split_kernel, decode_planes_kernel):
                 for cache in fn.device_caches.values():
                     for kern in cache[0].values():
                         log(f"   compiled {fn.__name__}: warps={kern.metadata.num_warps} "

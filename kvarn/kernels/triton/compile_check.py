@@ -24,7 +24,7 @@ def _signature(fn, ptrs: dict[str, str], consts: dict) -> dict[str, str]:
     return {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
 
 
-KINDS = {"decode_split_kernel": "tile", "decode_planes_kernel": "planes", "decode_stacked_kernel": "stacked"}
+KINDS = {"decode_split_kernel": "tile", "decode_planes_kernel": "planes"}
 
 
 def _resources(cubin: bytes | None) -> str:
@@ -52,16 +52,16 @@ def main() -> int:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel, decode_stacked_kernel
+    from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel
     from kvarn.kernels.triton.kernels.store import store_tiles_kernel
     from kvarn.kernels.triton.ops import DECODE_LAUNCH, NUM_WARPS
 
     target = GPUTarget("cuda", args.arch, 32)
 
-    def build(fn, ptrs, consts) -> None:
+    def build(fn, ptrs, consts, kind: str = "") -> None:
         t0 = time.perf_counter()
         src = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, ptrs, consts), constexprs=consts)
-        warps, stages, _ = DECODE_LAUNCH.get(KINDS.get(fn.__name__, ""), (NUM_WARPS, 3, 1))
+        warps, stages, _ = DECODE_LAUNCH.get(kind or KINDS.get(fn.__name__, ""), (NUM_WARPS, 3, 1))
         kern = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
         print(f"{fn.__name__} {consts}: compiled for sm_{args.arch} in {time.perf_counter() - t0:.1f} s "
               f"({warps} warps; {_resources(kern.asm.get('cubin'))})", flush=True)
@@ -76,11 +76,11 @@ def main() -> int:
     for d, kbits, col, rot, prec in ((128, 2, "*fp16", 1, 2), (128, 4, "*fp8e4nv", 2, 0), (64, 2, "*fp8e4nv", 2, 2)):
         build(decode_planes_kernel, dec | {"kt_ptr": col, "vt_ptr": col},
               {"MP": 16, "D": d, "G": 128, "KBITS": kbits, "VBITS": 2, "KROT": rot, "VROT": rot, "KCOL": True,
-               "VCOL": True, "PREC": prec, "UNROLL": 1})
-    for d, rot in ((128, 1), (64, 2)):
-        build(decode_stacked_kernel, dec | {"kt_ptr": "*fp16", "vt_ptr": "*fp16"},
-              {"MP": 16, "D": d, "G": 128, "KBITS": 2, "VBITS": 2, "KROT": rot, "VROT": rot, "KCOL": True,
-               "VCOL": True, "PREC": 2, "UNROLL": 1})
+               "VCOL": True, "PREC": prec, "UNROLL": 1, "STACK": False})
+    for d, rot in ((128, 1), (64, 2)):  # STACK: the version 3 candidate
+        build(decode_planes_kernel, dec | {"kt_ptr": "*fp16", "vt_ptr": "*fp16"},
+              {"MP": 4, "D": d, "G": 128, "KBITS": 2, "VBITS": 2, "KROT": rot, "VROT": rot, "KCOL": True,
+               "VCOL": True, "PREC": 2, "UNROLL": 1, "STACK": True}, "stacked")
     st = {"x_ptr": "*bf16", "dst_ptr": "*i32", "flag_ptr": "*u8", "hm_ptr": "*fp32", "c_ptr": "*u8", "f_ptr": "*u8",
           "a_ptr": "*fp16", "z_ptr": "*fp16", "t_ptr": "*fp16"}
     for channel, rot in ((True, 1), (False, 2)):

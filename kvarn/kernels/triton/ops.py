@@ -22,7 +22,7 @@ import torch
 import triton
 
 from kvarn.kernels.triton.kernels.codes import pack_kernel, unpack_kernel
-from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel, decode_stacked_kernel
+from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel
 from kvarn.kernels.triton.kernels.store import store_tiles_kernel
 from kvarn.ops.codes import Rotation
 from kvarn.ops.hadamard import hadamard_dense
@@ -257,8 +257,8 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
     if kind == "stacked" and precision not in ("auto", "bf16x3"):
         raise ValueError(f"the stacked decode kernel runs bf16x3 only, not {precision!r}")
     precision = AUTO_PRECISION[kind] if precision == "auto" else precision
-    # rows of the partial states: MP query rows (>= 16, a dot's minimum), or QP for the stacked kernel, whose dots
-    # take 4 QP rows (three bf16 parts and a zero part per query row)
+    # query rows (MP): >= 16, a dot's minimum, or >= 4 stacked (the dots take three bf16 parts and a zero part of
+    # every row)
     mp = max(4, triton.next_power_of_2(m)) if kind == "stacked" else max(16, triton.next_power_of_2(m))
     qp = q.new_zeros(b, h, mp, d, dtype=torch.float32)
     qp[:, :, :m] = q
@@ -281,15 +281,15 @@ def decode_partials(q: torch.Tensor, q_rot: torch.Tensor | None, keys: TileField
     acc_p = torch.empty_like(acc_r)
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     prec = PRECISIONS[precision] + int(precision == "bf16x3" and _interpreted())  # 3: bf16x3 emulated (kernels)
-    consts = dict(MP=4 * mp if kind == "stacked" else mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits,
+    consts = dict(MP=mp, D=d, G=g, KBITS=keys.bits, VBITS=values.bits,
                   KROT=int(Rotation.of(keys.rotate)), VROT=int(Rotation.of(values.rotate)),
                   KCOL=keys.col_scale is not None, VCOL=values.col_scale is not None, PREC=prec)
     warps, stages, unroll = DECODE_LAUNCH[kind]
-    kernel = {"tile": decode_split_kernel, "planes": decode_planes_kernel, "stacked": decode_stacked_kernel}[kind]
+    kernel = decode_split_kernel if kind == "tile" else decode_planes_kernel
     if kind == "tile":
         consts["PLANES"] = code_layout()
     else:
-        consts["UNROLL"] = unroll
+        consts.update(UNROLL=unroll, STACK=kind == "stacked")
     kernel[(b * h, s)](
         qp, qrp, qp.stride(0), qp.stride(1), bt, bt.stride(0), n_blocks.contiguous(),
         *keys.all_args(), *values.all_args(),

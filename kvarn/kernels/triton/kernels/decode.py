@@ -174,10 +174,15 @@ def decode_planes_kernel(
     H, S, BPS,
     MP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KROT: tl.constexpr, VROT: tl.constexpr, KCOL: tl.constexpr, VCOL: tl.constexpr, PREC: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, STACK: tl.constexpr,
 ):
     """`decode_split_kernel`'s arguments, outputs and arithmetic (planes layout only): per sub-chunk of GB tokens,
-    s = t * ((q a) @ codes + q . z), the online softmax, o = c * ((p a) @ codes + p . z) per value plane."""
+    s = t * ((q a) @ codes + q . z), the online softmax, o = c * ((p a) @ codes + p . z) per value plane.
+
+    STACK (bf16x3 only; the version 3 candidate, not yet timed on a GPU): the three bf16 parts of each float32
+    operand are stacked as rows of one dot, [4 MP, K] (`_stack`), instead of three dots of [MP, K]; MP may then be
+    4 (>= 16 otherwise). sm_90 cubin, kvarn-k2v2 at 2 / 4 warps: 242 / 148 registers, no spills, against 255 with
+    spills / 220 without (docs/gpu/h200-2026-12-04b.md)."""
     KPER: tl.constexpr = 8 // KBITS
     VPER: tl.constexpr = 8 // VBITS
     GB: tl.constexpr = G // KPER  # tokens per key plane = bytes per key row
@@ -214,14 +219,14 @@ def decode_planes_kernel(
         else:
             flag = tl.load(kf_ptr + blk * kf_n + h * kf_h + b * kf_b)
             qk = tl.where(flag != 0, qr, q)
-        qh, qm, ql = _parts(qk * ka[None, :], PREC)
+        qh, qm, ql = _operand(qk * ka[None, :], PREC, STACK, MP, D)
         qz = tl.sum(qk * kz[None, :], axis=1)
         vo = blk * vc_n + h * vc_h + b * vc_b
         if VROT == 2:
             vflag = tl.load(vf_ptr + blk * vf_n + h * vf_h + b * vf_b)
         for p in tl.range(0, KPER, loop_unroll_factor=UNROLL):  # UNROLL 1: a loop (fewer live registers)
             # -- keys: logits [MP, GB] of tokens p GB + rt
-            sc = _mm(qh, qm, ql, (kbytes >> (p * KBITS)) & KM, PREC) + qz[:, None]
+            sc = _times_codes(qh, qm, ql, (kbytes >> (p * KBITS)) & KM, PREC, STACK, MP, GB) + qz[:, None]
             if KCOL:
                 sc = sc * tl.load(kt_ptr + blk * kt_n + h * kt_h + b * kt_b + p * GB + rt).to(tl.float32)[None, :]
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -234,12 +239,12 @@ def decode_planes_kernel(
             vbytes = tl.load(vc_ptr + vo + tok[:, None] * DB + rc[None, :])
             va = tl.load(va_ptr + blk * va_n + h * va_h + b * va_b + tok).to(tl.float32)
             vz = tl.load(vz_ptr + blk * vz_n + h * vz_h + b * vz_b + tok).to(tl.float32)
-            ph, pm, pl = _parts(pr * va[None, :], PREC)
-            o0 = _mm(ph, pm, pl, vbytes & VM, PREC)
-            o1 = _mm(ph, pm, pl, (vbytes >> VBITS) & VM, PREC)
+            ph, pm, pl = _operand(pr * va[None, :], PREC, STACK, MP, GB)
+            o0 = _times_codes(ph, pm, pl, vbytes & VM, PREC, STACK, MP, DB)
+            o1 = _times_codes(ph, pm, pl, (vbytes >> VBITS) & VM, PREC, STACK, MP, DB)
             if VPER == 4:
-                o2 = _mm(ph, pm, pl, (vbytes >> (2 * VBITS)) & VM, PREC)
-                o3 = _mm(ph, pm, pl, (vbytes >> (3 * VBITS)) & VM, PREC)
+                o2 = _times_codes(ph, pm, pl, (vbytes >> (2 * VBITS)) & VM, PREC, STACK, MP, DB)
+                o3 = _times_codes(ph, pm, pl, (vbytes >> (3 * VBITS)) & VM, PREC, STACK, MP, DB)
                 o = _planes(o0, o1, o2, o3, VPER, MP, D)
             else:
                 o = _planes(o0, o1, o0, o1, VPER, MP, D)
@@ -261,7 +266,7 @@ def decode_planes_kernel(
     tl.store(op_ptr + ao, acc_p)
 
 
-# -- version 3 candidate: the bf16 parts stacked as rows of one dot -----------------------------------------------
+# -- the bf16 parts stacked as rows of one dot (decode_planes_kernel's STACK) -----------------------------------
 
 @triton.jit
 def _stack(a, QP: tl.constexpr, K: tl.constexpr):
@@ -289,100 +294,22 @@ def _unstack(s, QP: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def decode_stacked_kernel(
-    q_ptr, qr_ptr, sq_b, sq_h,
-    bt_ptr, sbt, nb_ptr,
-    kc_ptr, kc_b, kc_n, kc_h, ka_ptr, ka_b, ka_n, ka_h, kz_ptr, kz_b, kz_n, kz_h,
-    kt_ptr, kt_b, kt_n, kt_h, kf_ptr, kf_b, kf_n, kf_h,
-    vc_ptr, vc_b, vc_n, vc_h, va_ptr, va_b, va_n, va_h, vz_ptr, vz_b, vz_n, vz_h,
-    vt_ptr, vt_b, vt_n, vt_h, vf_ptr, vf_b, vf_n, vf_h,
-    m_ptr, l_ptr, or_ptr, op_ptr,
-    H, S, BPS,
-    MP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    KROT: tl.constexpr, VROT: tl.constexpr, KCOL: tl.constexpr, VCOL: tl.constexpr, PREC: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
-    """`decode_planes_kernel` with the three bf16 parts of each float32 operand stacked as rows of one dot (rows
-    part * QP + m, QP = MP / 4 query rows, partial states of QP rows): one [4 QP, K] operand instead of three [MP, K]
-    ones and QP-row accumulators. sm_90 cubin, 2 / 4 warps: 242 / 148 registers, no spills, against version 2's
-    255 with spills / 220 (cuobjdump, offline). bf16x3 only (PREC 2, or 3 under the interpreter); not yet timed."""
-    QP: tl.constexpr = MP // 4
-    KPER: tl.constexpr = 8 // KBITS
-    VPER: tl.constexpr = 8 // VBITS
-    GB: tl.constexpr = G // KPER
-    DB: tl.constexpr = D // VPER
-    KM: tl.constexpr = (1 << KBITS) - 1
-    VM: tl.constexpr = (1 << VBITS) - 1
-    pid = tl.program_id(0)
-    s = tl.program_id(1)
-    b = (pid // H).to(tl.int64)
-    h = (pid % H).to(tl.int64)
-    nb = tl.load(nb_ptr + b)
-    j0 = s * BPS
-    j1 = tl.minimum(j0 + BPS, nb)
-    rm = tl.arange(0, QP)
-    rd = tl.arange(0, D)
-    rt = tl.arange(0, GB)
-    rc = tl.arange(0, DB)
-    qoff = b * sq_b + h * sq_h + rm[:, None] * D + rd[None, :]
-    q = tl.load(q_ptr + qoff)
-    qr = tl.load(qr_ptr + qoff)
-    m_i = tl.full([QP], float("-inf"), tl.float32)
-    l_i = tl.zeros([QP], tl.float32)
-    acc_r = tl.zeros([QP, D], tl.float32)
-    acc_p = tl.zeros([QP, D], tl.float32)
-    for j in range(j0, j1):
-        blk = tl.load(bt_ptr + b * sbt + j).to(tl.int64)
-        kbytes = tl.load(kc_ptr + blk * kc_n + h * kc_h + b * kc_b + rd[:, None] * GB + rt[None, :])
-        ka = tl.load(ka_ptr + blk * ka_n + h * ka_h + b * ka_b + rd).to(tl.float32)
-        kz = tl.load(kz_ptr + blk * kz_n + h * kz_h + b * kz_b + rd).to(tl.float32)
-        if KROT == 0:
-            qk = q
-        elif KROT == 1:
-            qk = qr
-        else:
-            flag = tl.load(kf_ptr + blk * kf_n + h * kf_h + b * kf_b)
-            qk = tl.where(flag != 0, qr, q)
-        qs = _stack(qk * ka[None, :], QP, D)
-        qz = tl.sum(qk * kz[None, :], axis=1)
-        vo = blk * vc_n + h * vc_h + b * vc_b
-        if VROT == 2:
-            vflag = tl.load(vf_ptr + blk * vf_n + h * vf_h + b * vf_b)
-        for p in tl.range(0, KPER, loop_unroll_factor=UNROLL):
-            sc = _unstack(_stacked_mm(qs, (kbytes >> (p * KBITS)) & KM, PREC), QP, GB) + qz[:, None]
-            if KCOL:
-                sc = sc * tl.load(kt_ptr + blk * kt_n + h * kt_h + b * kt_b + p * GB + rt).to(tl.float32)[None, :]
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            m_i = m_new
-            tok = p * GB + rt
-            vbytes = tl.load(vc_ptr + vo + tok[:, None] * DB + rc[None, :])
-            va = tl.load(va_ptr + blk * va_n + h * va_h + b * va_b + tok).to(tl.float32)
-            vz = tl.load(vz_ptr + blk * vz_n + h * vz_h + b * vz_b + tok).to(tl.float32)
-            ps = _stack(pr * va[None, :], QP, GB)
-            o0 = _unstack(_stacked_mm(ps, vbytes & VM, PREC), QP, DB)
-            o1 = _unstack(_stacked_mm(ps, (vbytes >> VBITS) & VM, PREC), QP, DB)
-            if VPER == 4:
-                o2 = _unstack(_stacked_mm(ps, (vbytes >> (2 * VBITS)) & VM, PREC), QP, DB)
-                o3 = _unstack(_stacked_mm(ps, (vbytes >> (3 * VBITS)) & VM, PREC), QP, DB)
-                o = _planes(o0, o1, o2, o3, VPER, QP, D)
-            else:
-                o = _planes(o0, o1, o0, o1, VPER, QP, D)
-            o = o + tl.sum(pr * vz[None, :], axis=1)[:, None]
-            if VCOL:
-                o = o * tl.load(vt_ptr + blk * vt_n + h * vt_h + b * vt_b + rd).to(tl.float32)[None, :]
-            if VROT == 0:
-                acc_p = acc_p * alpha[:, None] + o
-            elif VROT == 1:
-                acc_r = acc_r * alpha[:, None] + o
-            else:
-                acc_r = acc_r * alpha[:, None] + tl.where(vflag != 0, o, 0.0)
-                acc_p = acc_p * alpha[:, None] + tl.where(vflag != 0, 0.0, o)
-    so = (pid * S + s) * QP
-    tl.store(m_ptr + so + rm, m_i)
-    tl.store(l_ptr + so + rm, l_i)
-    ao = so * D + rm[:, None] * D + rd[None, :]
-    tl.store(or_ptr + ao, acc_r)
-    tl.store(op_ptr + ao, acc_p)
+def _operand(a, PREC: tl.constexpr, STACK: tl.constexpr, R: tl.constexpr, K: tl.constexpr):
+    """a [R, K] float32 as the left operand of `_times_codes`: three parts, or (STACK) the parts stacked as rows."""
+    if STACK:
+        x = _stack(a, R, K)
+        y = x
+        z = x
+    else:
+        x, y, z = _parts(a, PREC)
+    return x, y, z
+
+
+@triton.jit
+def _times_codes(x, y, z, c, PREC: tl.constexpr, STACK: tl.constexpr, R: tl.constexpr, N: tl.constexpr):
+    """`_operand`'s a [R, K] @ codes c [K, N] -> float32 [R, N]."""
+    if STACK:
+        out = _unstack(_stacked_mm(x, c, PREC), R, N)
+    else:
+        out = _mm(x, y, z, c, PREC)
+    return out
