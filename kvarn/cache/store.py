@@ -59,7 +59,7 @@ from kvarn.cache.allocation import OUTPUT_ROWS, KeyAllocation, output_gains, pro
 from kvarn.cache.buffer import Buffer, PackedBuffer
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.cache_policy import CachePolicy
-from kvarn.quant.policy import QueryEnergy
+from kvarn.quant.policy import QueryCovariance, QueryEnergy
 from kvarn.quant.tiles import Tiles
 
 NonFinite = Literal["exact", "error"]
@@ -355,12 +355,12 @@ class TensorStore:
         if pad is not None and pad.any():
             tiles, stats.pad_tokens, stats.pad_tiles = neutral_pads(tiles, pad.reshape(b, m, g))
         flat = tiles.flatten(0, 2)  # [B*H*m, G_q, D]
-        w = self.weight_source() if self.weight_source is not None else None  # [B, H, D]
+        w = self.weight_source() if self.weight_source is not None else None  # [B, H, D] (or [B, H, D, D])
         if w is None and self.weight_source is not None:
             warnings.warn("kvarn: key tiles stored before any query was observed (attention implementation "
                           "'eager'?); the rotation choice falls back to unweighted squared error", stacklevel=3)
         if w is not None:  # one weight row per tile, in flat's (b, h, tile) order
-            w = w.to(flat.device).unsqueeze(2).expand(b, h, m, d).reshape(-1, d)
+            w = w.to(flat.device).unsqueeze(2).expand(b, h, m, *w.shape[2:]).reshape(-1, *w.shape[2:])
         packed, finite, scale_ok = self.quantizer.encode_tiles(flat, w)  # non-finite tiles encoded as zeros
         ok = self._fits_dtype(packed, flat, finite & scale_ok, x.dtype)
         if bool(ok.all()):  # the usual case: nothing kept exact, no index arithmetic
@@ -539,6 +539,9 @@ class LayerStore:
         self.queries = QueryEnergy() if getattr(key, "takes_weight", False) else None
         if self.queries is not None:
             self.keys.weight_source = self.queries.weight
+        if getattr(key, "takes_covariance", False):  # query-aware rounding (a lab variant): E[q q^T], D x D
+            self.queries = QueryCovariance()
+            self.keys.weight_source = self.queries.covariance
 
     @classmethod
     def from_preset(cls, preset: MethodSource, head_dim: int, sink: int | None = None, quantize: bool = True,

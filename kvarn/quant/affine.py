@@ -27,7 +27,7 @@ from kvarn.ops.codes import CODE_DTYPES, DTYPE_CODES, Rotation
 from kvarn.ops.dispatch import use_kernel
 from kvarn.ops.hadamard import hadamard_dense, hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
-from kvarn.ops.rtn import check_bits, rtn_quantize
+from kvarn.ops.rtn import check_bits, query_aware_round, rtn_quantize, rtn_targets
 from kvarn.ops.seats import supported
 from kvarn.ops.varn import DEFAULT_ITERS, varn
 from kvarn.quant.base import TileQuantizer, check_tiles
@@ -268,6 +268,93 @@ class AffineQuantizer(TileQuantizer):
         return {"name": self.name, "tile": c.tile, "bits": c.bits, "axis": c.axis, "rotate": c.rotate,
                 "varn": c.varn, "varn_iters": c.varn_iters, "scale_dtype": str(c.scale_dtype).removeprefix("torch."),
                 **({"col_scale_dtype": str(c.col_scale_dtype).removeprefix("torch.")} if c.col_scale_dtype else {})}
+
+
+class QueryAwareQuantizer(AffineQuantizer):
+    """Lab variant (issue 20, "query-aware rounding"; `scripts/budget_variants.py`): an `AffineQuantizer` for keys
+    (axis "channel") whose codes are rounded per token to minimise the logit error as the queries see it,
+    e^T Sigma e, instead of sum_d e_d^2 (`kvarn.ops.rtn.query_aware_round`). Same format, scales and bytes: only
+    the codes differ. Sigma = E[q q^T], the running second moment of the queries of the tile's KV head
+    (`kvarn.quant.policy.QueryCovariance`), [N, D, D] per tile, in the plain basis; the rotated encoding uses
+    H Sigma H (q . k = (q H) . (k H)). With VarN the error of channel d, token g is a_d t_g (q - u), so the rounding
+    Hessian of a token is t_g^2 diag(a) Sigma diag(a): one per tile (the token factor does not change the argmin).
+    A weight [N, D] (query energy alone) or none is a diagonal Sigma: nearest rounding, as `AffineQuantizer`.
+    The rotation choice (rotate="auto") keeps the policy's diagonal weight, diag(Sigma).
+
+    No fused kernel: `encode` always takes the PyTorch reference (KVARN_KERNEL=cpu refuses, naming why)."""
+
+    takes_covariance = True  # the cache feeds the full [N, D, D] second moment (kvarn.cache.store.LayerStore)
+
+    def __init__(self, config: AffineConfig, policy: str | RotationPolicy = DEFAULT_POLICY,
+                 damp: float = 0.01) -> None:
+        if config.axis != "channel":
+            raise ValueError("query-aware rounding is for keys (axis 'channel')")
+        super().__init__(config, policy)
+        self.damp = damp
+        self.name += "-qar"
+
+    @property
+    def takes_weight(self) -> bool:
+        return True
+
+    def _check(self, x: torch.Tensor, weight: torch.Tensor | None, finite: bool) -> None:
+        check_tiles(x, self.tile, finite=finite)
+        n, _, d = x.shape
+        if weight is not None and weight.shape not in ((n, d), (n, d, d)):
+            raise ValueError(f"weight must be [N, D] = {(n, d)} or [N, D, D], got {tuple(weight.shape)}")
+
+    def _kernel(self, x: torch.Tensor) -> bool:
+        return use_kernel(lambda: "query-aware rounding has no fused kernel", f"the fused store kernel cannot encode "
+                          f"{self.name}")
+
+    def _encode_rows_qa(self, x: torch.Tensor, fmt: AffineFormat, sigma: torch.Tensor | None) -> AffineTiles:
+        """`_encode_rows` with the codes rounded against sigma [N, D, D] (None: nearest)."""
+        if sigma is None:
+            return self._encode_rows(x, fmt)
+        c = self.config
+        col_dtype = c.col_scale_dtype or c.scale_dtype
+        if c.varn:
+            b, s_col, s_row = varn(x, c.varn_iters)
+            if self._relative:
+                b, s_col, s_row = relative_col_scales(x.float(), s_col, s_row, col_dtype)
+        else:
+            b, s_col, s_row = x, None, None
+        u, delta, lo = rtn_targets(b, c.bits)
+        delta, lo = delta.squeeze(-1), lo.squeeze(-1)
+        if s_row is not None:
+            delta, lo = delta * s_row, lo * s_row
+        a = delta.double()  # [N, D]: the x-space step of each channel (the token factor t_g drops out)
+        q = query_aware_round(u, a[:, :, None] * sigma.double() * a[:, None, :], c.bits, self.damp)
+        return AffineTiles(pack_codes(q, c.bits), store_scale(delta, c.scale_dtype),
+                           store_scale(lo, zero_dtype(c.scale_dtype)),
+                           store_scale(s_col, col_dtype) if s_col is not None else None, fmt=fmt)
+
+    def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
+        """`AffineQuantizer.encode_reference` with query-aware codes where weight is [N, D, D] (class docstring)."""
+        sigma = weight if weight is not None and weight.dim() == 3 else None
+        if sigma is None:
+            return super().encode_reference(x, weight)
+        sigma = sigma.to(x.device).float()
+        diag = sigma.diagonal(dim1=-2, dim2=-1)
+        w, fmt = x.float(), self.format(x.shape[2])
+        plain_sigma = sigma
+        rot_sigma = hadamard_transform(hadamard_transform(sigma).transpose(-1, -2))  # H Sigma H
+        if self.config.rotate == "none":
+            return self._encode_rows_qa(self._to_rows(w), fmt, plain_sigma)
+        rot = self._encode_rows_qa(self._to_rows(hadamard_transform(w)), fmt, rot_sigma)
+        if self.config.rotate == "hadamard":
+            return rot
+        plain = self._encode_rows_qa(self._to_rows(w), fmt, plain_sigma)
+        x_rot = hadamard_transform(self._from_rows(self._decode_rows(rot)))
+        x_plain = self._from_rows(self._decode_rows(plain))
+        keep = self.policy(w, x_rot, x_plain, diag).to(x.device)
+        other = plain.tensors()
+        chosen = rot.with_tensors({k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, other[k])
+                                   for k, v in rot.items()})
+        return dataclasses.replace(chosen, rotated=keep.to(torch.uint8))
+
+    def describe(self) -> Mapping[str, object]:
+        return {**super().describe(), "rounding": "query-aware", "damp": self.damp}
 
 
 def tile_store_reference(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel: bool, rotate: int,

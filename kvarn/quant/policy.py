@@ -134,3 +134,28 @@ class QueryEnergy:
     def index_batch(self, index: torch.Tensor) -> None:
         if self.sum is not None:
             self.sum = self.sum[index.to(self.sum.device)]
+
+
+class QueryCovariance(QueryEnergy):
+    """Running second moment E[q q^T] for each batch row and KV head, [B, Hk, D, D]: what query-aware rounding
+    (`kvarn.quant.affine.QueryAwareQuantizer`, a lab variant) weighs a key token's error with, e^T Sigma e.
+
+    Pooled as `QueryEnergy` (the query heads of a GQA group and the positions); `weight()` is its diagonal, the
+    query energy [B, Hk, D] (the rotation policy and the budget allocation read that), `covariance()` the full
+    matrix, or None before the first update. Accumulated in float32 (float64 stays float64)."""
+
+    def update(self, q: torch.Tensor, kv_heads: int) -> None:
+        if q.dim() != 4:
+            raise ValueError(f"expected queries [batch, heads, tokens, head_dim], got shape {tuple(q.shape)}")
+        b, hq, t, d = q.shape
+        if kv_heads < 1 or hq % kv_heads:
+            raise ValueError(f"{hq} query heads do not split into {kv_heads} KV heads")
+        w = q.detach() if q.dtype == torch.float64 else q.detach().float()
+        w = w.reshape(b, kv_heads, hq // kv_heads * t, d)
+        self.accumulate(w.transpose(-1, -2) @ w, hq // kv_heads * t)
+
+    def weight(self) -> torch.Tensor | None:
+        return None if self.sum is None else self.sum.diagonal(dim1=-2, dim2=-1) / self.count
+
+    def covariance(self) -> torch.Tensor | None:
+        return None if self.sum is None else self.sum / self.count

@@ -1,0 +1,185 @@
+"""Query-aware rounding of keys (issue 20's lever, a lab variant: `kvarn.ops.rtn.query_aware_round`,
+`kvarn.quant.affine.QueryAwareQuantizer`, `kvarn.quant.policy.QueryCovariance`; registered only by
+scripts/budget_variants.py).
+
+Checked: its unrounded codes are RTN's bit for bit; a diagonal Hessian (Sigma = identity) gives nearest rounding bit
+for bit; the codes equal a float64 OBQ reference (tests/reference/query_aware.py) and lower r^T H r against nearest
+rounding; the quantizer keeps every field but the codes, equals `AffineQuantizer` without a covariance (or with the
+identity), lowers the logit error e^T Sigma e of real decodes in each basis, and never takes the fused kernel; the
+cache feeds it the running E[q q^T] of each KV head.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvarn.cache.store import LayerStore
+from kvarn.ops.rtn import query_aware_round, rtn_quantize, rtn_targets
+from kvarn.presets import get_preset
+from kvarn.quant.affine import AffineConfig, AffineQuantizer, QueryAwareQuantizer
+from kvarn.quant.policy import QueryCovariance, QueryEnergy
+from tests.reference.query_aware import query_aware_tile
+
+G, D = 128, 64
+COL = torch.float8_e4m3fn  # kvarn-auto's relative column scales
+
+
+def correlated_sigma(n: int, d: int, gen: torch.Generator, rank: int = 8) -> torch.Tensor:
+    """[n, d, d] second moments with strong off-diagonal structure (a few dominant query directions) plus a floor."""
+    a = torch.randn(n, d, rank, generator=gen, dtype=torch.float64)
+    return a @ a.transpose(-1, -2) + 0.05 * torch.eye(d, dtype=torch.float64)
+
+
+def form(r: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """sum over columns of r^T H r: r [N, R, C], H [N, R, R] -> [N] (float64)."""
+    r = r.double()
+    return torch.einsum("nrc,nrs,nsc->n", r, h.double(), r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_targets_round_to_rtn_codes(dtype: torch.dtype, bits: int) -> None:
+    x = torch.randn(5, 16, 40, dtype=dtype) * torch.rand(5, 16, 1, dtype=dtype) * 4
+    u, delta, lo = rtn_targets(x, bits)
+    q, d2, l2 = rtn_quantize(x, bits)
+    assert torch.equal(torch.round(u).clamp(0, 2**bits - 1).to(torch.uint8), q)
+    assert torch.equal(delta, d2) and torch.equal(lo, l2)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_diagonal_hessian_is_nearest_rounding(bits: int) -> None:
+    x = torch.randn(6, D, G)
+    u, _, _ = rtn_targets(x, bits)
+    q, _, _ = rtn_quantize(x, bits)
+    eye = torch.eye(D).expand(6, D, D)
+    assert torch.equal(query_aware_round(u, eye, bits), q)
+    diag = torch.diag_embed(torch.rand(6, D) + 0.1)  # any diagonal: no coupling, nothing to push
+    assert torch.equal(query_aware_round(u, diag, bits), q)
+    assert torch.equal(query_aware_round(u, torch.zeros(6, D, D), bits), q)  # no query yet: the damping alone
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_equals_float64_obq_reference(bits: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    n, r, c = 3, 16, 12
+    x = torch.randn(n, r, c, generator=gen, dtype=torch.float64)
+    u, _, _ = rtn_targets(x, bits)
+    h = correlated_sigma(n, r, gen, rank=3)
+    q = query_aware_round(u, h, bits)
+    for i in range(n):
+        assert torch.equal(q[i].long(), query_aware_tile(u[i], h[i], bits)), i
+
+
+def test_lowers_the_quadratic_form() -> None:
+    gen = torch.Generator().manual_seed(2)
+    n = 16
+    x = torch.randn(n, D, G, generator=gen)
+    u, _, _ = rtn_targets(x, 2)
+    q0, _, _ = rtn_quantize(x, 2)
+    h = correlated_sigma(n, D, gen)
+    q1 = query_aware_round(u, h, 2)
+    e0, e1 = form(q0.double() - u.double(), h), form(q1.double() - u.double(), h)
+    assert (e1 < e0).all()
+    assert float(e1.sum() / e0.sum()) < 0.7  # strong correlation: a large cut, not a marginal one
+    with pytest.raises(ValueError, match="hessian"):
+        query_aware_round(u, h[:, :8, :8], 2)
+
+
+def configs() -> list[AffineConfig]:
+    return [AffineConfig(2, "channel", rot, varn, tile=G, col_scale_dtype=COL if varn else None)
+            for rot in ("none", "hadamard", "auto") for varn in (False, True)]
+
+
+@pytest.mark.parametrize("cfg", configs(), ids=lambda c: f"{c.rotate}-varn{int(c.varn)}")
+def test_quantizer_without_covariance_is_affine(cfg: AffineConfig) -> None:
+    """No weight, a query energy [N, D], or Sigma = identity: the codes of `AffineQuantizer`, bit for bit."""
+    x = torch.randn(4, G, D) * torch.linspace(0.1, 4, D)
+    base, qa = AffineQuantizer(cfg), QueryAwareQuantizer(cfg)
+    w = torch.rand(4, D) + 0.1
+    for a, b in ((base.encode_reference(x), qa.encode(x)),
+                 (base.encode_reference(x, w), qa.encode(x, w)),
+                 (base.encode_reference(x, torch.ones(4, D)), qa.encode(x, torch.eye(D).expand(4, D, D)))):
+        ta, tb = a.tensors(), b.tensors()
+        assert ta.keys() == tb.keys()
+        for k in ta:
+            assert torch.equal(ta[k], tb[k]), k
+
+
+@pytest.mark.parametrize("cfg", configs(), ids=lambda c: f"{c.rotate}-varn{int(c.varn)}")
+def test_quantizer_lowers_logit_error(cfg: AffineConfig) -> None:
+    """Same scales, zero points and bytes; only the codes move, and e^T Sigma e of the decoded tile drops."""
+    gen = torch.Generator().manual_seed(3)
+    n = 8
+    x = torch.randn(n, G, D, generator=gen) * torch.linspace(0.2, 3, D)
+    sigma = correlated_sigma(n, D, gen).float()
+    base, qa = AffineQuantizer(cfg), QueryAwareQuantizer(cfg)
+    diag = sigma.diagonal(dim1=-2, dim2=-1)
+    a, b = base.encode_reference(x, diag), qa.encode(x, sigma)
+    assert a.nbytes == b.nbytes
+    if cfg.rotate != "auto":  # auto may pick the other basis per tile; its scales then differ
+        for k in ("row_scale", "row_zero", "col_scale"):
+            va, vb = getattr(a, k), getattr(b, k)
+            assert (va is None and vb is None) or torch.equal(va, vb), k
+        assert not torch.equal(a.codes, b.codes)
+
+    def err(p) -> torch.Tensor:
+        e = (base.decode(p, torch.float64) - x.double()).transpose(1, 2)  # [N, D, G]
+        return form(e, sigma)
+
+    assert float(err(b).sum()) < 0.8 * float(err(a).sum())
+
+
+def test_quantizer_is_keys_only_and_never_takes_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="keys"):
+        QueryAwareQuantizer(AffineConfig(2, "token", "auto", True, tile=G))
+    qa = QueryAwareQuantizer(AffineConfig(2, "channel", "auto", True, tile=G, col_scale_dtype=COL))
+    assert qa.takes_weight and qa.takes_covariance and qa.name.endswith("-qar")
+    x, s = torch.randn(2, G, D), torch.eye(D).expand(2, D, D)
+    monkeypatch.setenv("KVARN_KERNEL", "cpu")
+    with pytest.raises(RuntimeError, match="query-aware rounding has no fused kernel"):
+        qa.encode(x, s)
+    monkeypatch.setenv("KVARN_KERNEL", "auto")
+    monkeypatch.setattr(QueryAwareQuantizer, "encode_kernel", lambda *a, **k: pytest.fail("kernel taken"))
+    qa.encode_tiles(x, s)
+    with pytest.raises(ValueError, match="weight"):
+        qa.encode(x, torch.ones(2, D, 3))
+
+
+def test_query_covariance_statistics() -> None:
+    q = torch.randn(2, 6, 9, D)  # 6 query heads over 2 KV heads
+    e, c = QueryEnergy(), QueryCovariance()
+    for part in (q[:, :, :4], q[:, :, 4:]):
+        e.update(part, 2)
+        c.update(part, 2)
+    assert c.count == e.count
+    torch.testing.assert_close(c.weight(), e.weight())
+    g = q.double().reshape(2, 2, 27, D)
+    torch.testing.assert_close(c.covariance().double(), g.transpose(-1, -2) @ g / 27, rtol=1e-5, atol=1e-6)
+    c.index_batch(torch.tensor([1, 1, 0]))
+    assert c.covariance().shape == (3, 2, D, D)
+    assert QueryCovariance().covariance() is None
+
+
+def test_store_feeds_the_covariance() -> None:
+    """A LayerStore over the variant keeps E[q q^T] and its key tiles get it ([B, H, D, D] -> one per tile); the
+    registered presets keep `QueryEnergy`."""
+    base = get_preset("kvarn-auto-k2v2-g128")
+    qa_preset = base.replace(name="qar", key=lambda d: QueryAwareQuantizer(base.key(d).config))
+    st, ref = LayerStore.from_preset(qa_preset, D), LayerStore.from_preset(base, D)
+    assert type(st.queries) is QueryCovariance and type(ref.queries) is QueryEnergy
+    seen = []
+    encode = QueryAwareQuantizer.encode
+
+    def spy(self, x, weight=None):
+        seen.append(None if weight is None else tuple(weight.shape))
+        return encode(self, x, weight)
+
+    k, v = torch.randn(2, 2, 2 * G + 3, D), torch.randn(2, 2, 2 * G + 3, D)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(QueryAwareQuantizer, "encode", spy)
+        st.append(k, v, defer_keys=True)
+        st.observe_queries(torch.randn(2, 14, 2 * G + 3, D))
+    assert seen == [(2 * 2 * 1, D, D)]  # sink 128, then one tile per (row, head)
+    assert st.keys.n_tiles == 1
+    assert st.nbytes().policy == 2 * 2 * D * D * 4

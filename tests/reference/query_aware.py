@@ -1,0 +1,40 @@
+"""Query-aware rounding (the lab variant `kvarn.quant.affine.QueryAwareQuantizer`), the OBQ form in float64: round
+the rows of one column in order and, after each, move the rows not yet rounded to the minimiser of r^T H r given
+the rounded ones, through the inverse of H restricted to the rows still free (not the Cholesky factor the library
+uses: the same update, computed another way).
+
+    H' = H + damp mean(diag H) I
+    for i = 0 .. R-1:   F = [i, R),  P = (H'_FF)^-1
+                        q_i = clamp(round(u_i), 0, 2^b - 1),   e = u_i - q_i
+                        u_j -= e P[j, i] / P[i, i]   for j in F, j > i
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def query_aware_column(u: list[float], h: torch.Tensor, bits: int, damp: float = 0.01) -> list[int]:
+    """Codes of one column u [R] (a list of floats) under H [R, R]."""
+    levels = 2**bits - 1
+    r = len(u)
+    h = h.double()
+    h = (h + h.T) / 2
+    h = h + damp * max(float(h.diagonal().mean()), 1e-30) * torch.eye(r, dtype=torch.float64)
+    w = [float(x) for x in u]
+    out = []
+    for i in range(r):
+        q = min(max(round(w[i]), 0), levels)  # Python rounds half to even, like torch.round
+        out.append(q)
+        e = w[i] - q
+        if i + 1 < r:
+            p = torch.linalg.inv(h[i:, i:])
+            for j in range(i + 1, r):
+                w[j] -= e * float(p[j - i, 0]) / float(p[0, 0])
+    return out
+
+
+def query_aware_tile(u: torch.Tensor, h: torch.Tensor, bits: int, damp: float = 0.01) -> torch.Tensor:
+    """u [R, C], H [R, R] -> codes [R, C] (long), column by column."""
+    cols = [query_aware_column(u[:, c].tolist(), h, bits, damp) for c in range(u.shape[1])]
+    return torch.tensor(cols, dtype=torch.long).T
