@@ -7,17 +7,18 @@
 Steps (each guarded: a failure is printed and recorded, the next step still runs):
   1. decode correctness: paged_decode over a pool read through a permuted block table (batch rows of different
      lengths, sink/tail/fresh exact regions), Qwen3-4B-like heads (32 q / 8 KV, head_dim 128, G = 128), presets
-     kvarn-k2v2, kvarn-k4v2, kvarn-auto-k2v2; against float64 attention over the dequantized K/V. Bound: no worse
-     than 4x float32 attention over the same K/V (+16 eps max|V|) in "ieee" precision (every caller's). "tf32" is
+     kvarn-k2v2, kvarn-k4v2, kvarn-auto-k2v2, every decode kernel version and precision (`DECODE_VARIANTS`);
+     against float64 attention over the dequantized K/V. Bound: no worse than 4x float32 attention over the same
+     K/V (+16 eps max|V|), for "ieee" and "bf16x3" (the callers' "auto" precisions). "tf32" is
      measured, not checked: on the H200 (2026-12-04) its error was 1.5-3.6e-3 max|V|, 8-18x that of attention
      with q, K, p, V rounded to tf32 (`tf32`), likely because the kernel's logits (q a) @ codes + q . z cancel two
      large terms; and it was no faster than ieee.
   2. store correctness: store_tiles vs AffineQuantizer.encode (kvarn-k2v2 keys/values; rtn bit-exact).
   3. timing (triton.testing.do_bench, medians): decode of one token at 4k/8k/16k/32k context, batch 1 and 8 -
-     fused packed decode (whole call, and the split kernel alone) vs SDPA over dense bf16 K/V (and FlashAttention's
-     flash_attn_with_kvcache when installed).
-  4. the decode kernel alone over warps, stages and blocks per split (registers, spills, shared memory);
-     --ncu-target launches it alone, for ncu.
+     fused packed decode (whole call, and the split kernel alone; the default version and version 1) vs SDPA over
+     dense bf16 K/V (and FlashAttention's flash_attn_with_kvcache when installed).
+  4. the decode kernel alone over versions, warps, stages, unroll and blocks per split (`SWEEP`; registers,
+     spills, shared memory); --ncu-target launches the default alone, for ncu.
   5. timing of the store of one tile of every KV head per batch row.
   6. the vLLM plugin's CUDA path on one layer, no vLLM needed (`paged_check`): prefill + one batched decode step
      through the real slot plan and page pool, Triton store and decode, vs float64 attention over the stored K/V.
@@ -66,8 +67,7 @@ def encode_pool(quantizer, x: torch.Tensor, flag: torch.Tensor):
 DECODE_VARIANTS = [("planes", "bf16x3"), ("planes", "ieee"), ("tile", "ieee"), ("stacked", "bf16x3")]  # version 2
 # (the default), version 1, the version 3 candidate
 SWEEP = {"planes": [(2, 2, 1), (1, 2, 1), (2, 3, 1), (2, 2, 2), (4, 2, 1)], "tile": [(8, 3, 1)],
-         "stacked": [(4, 2, 1), (2, 2, 1), (8, 2, 1)]}  # warps, stages,
-# unroll of step 4 (planes at 8 warps, unrolled: 255 registers and spills on the H200, evening of 2026-12-04)
+         "stacked": [(4, 2, 1), (2, 2, 1), (8, 2, 1)]}  # step 4's (warps, stages, unroll) per version
 
 
 @contextlib.contextmanager
@@ -321,7 +321,7 @@ def main() -> int:
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
 
-    @step("4. decode kernel sweep: warps, stages and blocks per split (kernel alone, kvarn-k2v2 fields)")
+    @step("4. decode kernel sweep: versions, warps, stages, unroll, blocks per split (kernel alone, kvarn-k2v2)")
     def _sweep():
         decode_sweep(dev, smoke, hq, hkv, d, g_tile)
 
@@ -454,10 +454,10 @@ def random_pool(kq, vq, bsz: int, ctx: int, hkv: int, d: int, g: int, gen: torch
 
 
 def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: int, ncu: bool = False) -> None:
-    """`ops.decode_partials` alone at batch 1 and 8, 32k context (smoke: tiny), over `ops.NUM_WARPS`,
-    `ops.DECODE_STAGES` and blocks per split ("auto": `ops._splits`), with the registers, spills and shared memory of
-    every compiled variant: where the decode kernel's time goes. ncu: batch 8 only, the default configuration
-    launched 3 times and nothing timed (for `ncu --launch-skip 2`)."""
+    """`ops.decode_partials` alone at batch 1 and 8, 32k context (smoke: tiny), over the kernel versions, their
+    `ops.DECODE_LAUNCH` (`SWEEP`) and blocks per split ("auto": `ops._splits`), with the registers, spills and
+    shared memory of every compiled variant: where the decode kernel's time goes. ncu: batch 8 only, the default
+    configuration launched 3 times and nothing timed (for `ncu --launch-skip 2`)."""
     from kvarn.kernels.triton import ops
     from kvarn.kernels.triton.kernels.decode import decode_planes_kernel, decode_split_kernel
     from kvarn.presets import get_preset
