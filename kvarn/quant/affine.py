@@ -158,22 +158,35 @@ class AffineQuantizer(TileQuantizer):
     def _from_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(-1, -2) if self.config.axis == "channel" else x
 
-    def _encode_rows(self, x: torch.Tensor, fmt: AffineFormat) -> AffineTiles:
+    def _normalized(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Rows x as RTN quantizes them: (VarN-balanced rows, column scales, row scales), or (x, None, None)."""
         c = self.config
-        col_dtype = c.col_scale_dtype or c.scale_dtype
-        if c.varn:
-            b, s_col, s_row = varn(x, c.varn_iters)
-            if c.col_scale_dtype is not None and col_dtype.itemsize == 1:
-                b, s_col, s_row = relative_col_scales(x.float(), s_col, s_row, col_dtype)
-        else:
-            b, s_col, s_row = x, None, None
-        q, delta, lo = rtn_quantize(b, c.bits)
+        if not c.varn:
+            return x, None, None
+        b, s_col, s_row = varn(x, c.varn_iters)
+        if self._relative:
+            b, s_col, s_row = relative_col_scales(x.float(), s_col, s_row, c.col_scale_dtype)
+        return b, s_col, s_row
+
+    @staticmethod
+    def _row_steps(delta: torch.Tensor, lo: torch.Tensor,
+                   s_row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RTN's step and zero [..., 1] of the balanced rows -> those of the rows themselves [...] (VarN folded in)."""
         delta, lo = delta.squeeze(-1), lo.squeeze(-1)
-        if s_row is not None:
-            delta, lo = delta * s_row, lo * s_row
+        return (delta, lo) if s_row is None else (delta * s_row, lo * s_row)
+
+    def _tiles(self, q: torch.Tensor, delta: torch.Tensor, lo: torch.Tensor, s_col: torch.Tensor | None,
+               fmt: AffineFormat) -> AffineTiles:
+        c = self.config
         return AffineTiles(pack_codes(q, c.bits), store_scale(delta, c.scale_dtype),
                            store_scale(lo, zero_dtype(c.scale_dtype)),
-                           store_scale(s_col, col_dtype) if s_col is not None else None, fmt=fmt)
+                           store_scale(s_col, c.col_scale_dtype or c.scale_dtype) if s_col is not None else None,
+                           fmt=fmt)
+
+    def _encode_rows(self, x: torch.Tensor, fmt: AffineFormat) -> AffineTiles:
+        b, s_col, s_row = self._normalized(x)
+        q, delta, lo = rtn_quantize(b, self.config.bits)
+        return self._tiles(q, *self._row_steps(delta, lo, s_row), s_col, fmt)
 
     def _decode_rows(self, p: AffineTiles) -> torch.Tensor:
         return decode_rows(p)
@@ -311,23 +324,12 @@ class QueryAwareQuantizer(AffineQuantizer):
         """`_encode_rows` with the codes rounded against sigma [N, D, D] (None: nearest)."""
         if sigma is None:
             return self._encode_rows(x, fmt)
-        c = self.config
-        col_dtype = c.col_scale_dtype or c.scale_dtype
-        if c.varn:
-            b, s_col, s_row = varn(x, c.varn_iters)
-            if self._relative:
-                b, s_col, s_row = relative_col_scales(x.float(), s_col, s_row, col_dtype)
-        else:
-            b, s_col, s_row = x, None, None
-        u, delta, lo = rtn_targets(b, c.bits)
-        delta, lo = delta.squeeze(-1), lo.squeeze(-1)
-        if s_row is not None:
-            delta, lo = delta * s_row, lo * s_row
+        b, s_col, s_row = self._normalized(x)
+        u, delta, lo = rtn_targets(b, self.config.bits)
+        delta, lo = self._row_steps(delta, lo, s_row)
         a = delta.double()  # [N, D]: the x-space step of each channel (the token factor t_g drops out)
-        q = query_aware_round(u, a[:, :, None] * sigma.double() * a[:, None, :], c.bits, self.damp)
-        return AffineTiles(pack_codes(q, c.bits), store_scale(delta, c.scale_dtype),
-                           store_scale(lo, zero_dtype(c.scale_dtype)),
-                           store_scale(s_col, col_dtype) if s_col is not None else None, fmt=fmt)
+        q = query_aware_round(u, a[:, :, None] * sigma.double() * a[:, None, :], self.config.bits, self.damp)
+        return self._tiles(q, delta, lo, s_col, fmt)
 
     def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
         """`AffineQuantizer.encode_reference` with query-aware codes where weight is [N, D, D] (class docstring)."""

@@ -113,11 +113,16 @@ class QueryEnergy:
         b, hq, t, d = q.shape
         if kv_heads < 1 or hq % kv_heads:
             raise ValueError(f"{hq} query heads do not split into {kv_heads} KV heads")
-        if self.sum is not None and self.sum.shape != (b, kv_heads, d):
+        if self.sum is not None and self.sum.shape[:3] != (b, kv_heads, d):
             raise ValueError(f"queries of shape {tuple(q.shape)} do not match the running statistics "
-                             f"[B, Hk, D] = {tuple(self.sum.shape)}")
+                             f"[B, Hk, D, ...] = {tuple(self.sum.shape)}")
         w = q.detach() if q.dtype == torch.float64 else q.detach().float()
-        self.accumulate(w.square().reshape(b, kv_heads, hq // kv_heads * t, d).sum(dim=2), hq // kv_heads * t)
+        self.accumulate(self._moments(w.reshape(b, kv_heads, hq // kv_heads * t, d)), hq // kv_heads * t)
+
+    @staticmethod
+    def _moments(w: torch.Tensor) -> torch.Tensor:
+        """Queries pooled per KV head [B, Hk, n, D] -> their summed squares [B, Hk, D]."""
+        return w.square().sum(dim=2)
 
     def accumulate(self, squares: torch.Tensor, count: int) -> None:
         """Add sums of squared queries already pooled per KV head, [B, Hk, D], over `count` (head, position) pairs:
@@ -144,15 +149,10 @@ class QueryCovariance(QueryEnergy):
     query energy [B, Hk, D] (the rotation policy and the budget allocation read that), `covariance()` the full
     matrix, or None before the first update. Accumulated in float32 (float64 stays float64)."""
 
-    def update(self, q: torch.Tensor, kv_heads: int) -> None:
-        if q.dim() != 4:
-            raise ValueError(f"expected queries [batch, heads, tokens, head_dim], got shape {tuple(q.shape)}")
-        b, hq, t, d = q.shape
-        if kv_heads < 1 or hq % kv_heads:
-            raise ValueError(f"{hq} query heads do not split into {kv_heads} KV heads")
-        w = q.detach() if q.dtype == torch.float64 else q.detach().float()
-        w = w.reshape(b, kv_heads, hq // kv_heads * t, d)
-        self.accumulate(w.transpose(-1, -2) @ w, hq // kv_heads * t)
+    @staticmethod
+    def _moments(w: torch.Tensor) -> torch.Tensor:
+        """Queries pooled per KV head [B, Hk, n, D] -> their summed outer products [B, Hk, D, D]."""
+        return w.transpose(-1, -2) @ w
 
     def weight(self) -> torch.Tensor | None:
         return None if self.sum is None else self.sum.diagonal(dim1=-2, dim2=-1) / self.count

@@ -30,6 +30,30 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _program(q_ptr, qr_ptr, sq_b, sq_h, nb_ptr, H, BPS, MP: tl.constexpr, D: tl.constexpr):
+    """This program's batch row b, KV head h, blocks [j0, j1) of its split, and its queries q, q~ [MP, D]."""
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)  # 64-bit offsets: a cache-layout field can pass 2^31 bytes
+    h = (pid % H).to(tl.int64)
+    j0 = tl.program_id(1) * BPS
+    j1 = tl.minimum(j0 + BPS, tl.load(nb_ptr + b))
+    qoff = b * sq_b + h * sq_h + tl.arange(0, MP)[:, None] * D + tl.arange(0, D)[None, :]
+    return b, h, j0, j1, tl.load(q_ptr + qoff), tl.load(qr_ptr + qoff)
+
+
+@triton.jit
+def _store_state(m_ptr, l_ptr, or_ptr, op_ptr, S, m_i, l_i, acc_r, acc_p, MP: tl.constexpr, D: tl.constexpr):
+    """This program's partial state (m, l [MP], acc_rot, acc_plain [MP, D]) at its (row x head, split) slot."""
+    rm = tl.arange(0, MP)
+    so = (tl.program_id(0) * S + tl.program_id(1)) * MP
+    tl.store(m_ptr + so + rm, m_i)
+    tl.store(l_ptr + so + rm, l_i)
+    ao = so * D + rm[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(or_ptr + ao, acc_r)
+    tl.store(op_ptr + ao, acc_p)
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr, qr_ptr, sq_b, sq_h,  # queries [B, H, MP, D] contiguous rows (plain and rotated)
     bt_ptr, sbt, nb_ptr,  # block_table [B, max_blocks] int32, n_blocks [B] int32
@@ -43,19 +67,9 @@ def decode_split_kernel(
     KROT: tl.constexpr, VROT: tl.constexpr, KCOL: tl.constexpr, VCOL: tl.constexpr,
     PLANES: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    s = tl.program_id(1)
-    b = (pid // H).to(tl.int64)  # 64-bit offsets: a cache-layout field can pass 2^31 bytes
-    h = (pid % H).to(tl.int64)
-    nb = tl.load(nb_ptr + b)
-    j0 = s * BPS
-    j1 = tl.minimum(j0 + BPS, nb)
-    rm = tl.arange(0, MP)
+    b, h, j0, j1, q, qr = _program(q_ptr, qr_ptr, sq_b, sq_h, nb_ptr, H, BPS, MP, D)
     rd = tl.arange(0, D)
     rg = tl.arange(0, G)
-    qoff = b * sq_b + h * sq_h + rm[:, None] * D + rd[None, :]
-    q = tl.load(q_ptr + qoff)
-    qr = tl.load(qr_ptr + qoff)
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.zeros([MP], tl.float32)
     acc_r = tl.zeros([MP, D], tl.float32)
@@ -100,12 +114,7 @@ def decode_split_kernel(
             vflag = tl.load(vf_ptr + blk * vf_n + h * vf_h + b * vf_b)
             acc_r += tl.where(vflag != 0, o, 0.0)
             acc_p += tl.where(vflag != 0, 0.0, o)
-    so = (pid * S + s) * MP
-    tl.store(m_ptr + so + rm, m_i)
-    tl.store(l_ptr + so + rm, l_i)
-    ao = so * D + rm[:, None] * D + rd[None, :]
-    tl.store(or_ptr + ao, acc_r)
-    tl.store(op_ptr + ao, acc_p)
+    _store_state(m_ptr, l_ptr, or_ptr, op_ptr, S, m_i, l_i, acc_r, acc_p, MP, D)
 
 
 # -- version 2: code planes unpacked in registers ------------------------------------------------------------------
@@ -189,20 +198,10 @@ def decode_planes_kernel(
     DB: tl.constexpr = D // VPER  # channels per value plane = bytes per value row
     KM: tl.constexpr = (1 << KBITS) - 1
     VM: tl.constexpr = (1 << VBITS) - 1
-    pid = tl.program_id(0)
-    s = tl.program_id(1)
-    b = (pid // H).to(tl.int64)
-    h = (pid % H).to(tl.int64)
-    nb = tl.load(nb_ptr + b)
-    j0 = s * BPS
-    j1 = tl.minimum(j0 + BPS, nb)
-    rm = tl.arange(0, MP)
+    b, h, j0, j1, q, qr = _program(q_ptr, qr_ptr, sq_b, sq_h, nb_ptr, H, BPS, MP, D)
     rd = tl.arange(0, D)
     rt = tl.arange(0, GB)
     rc = tl.arange(0, DB)
-    qoff = b * sq_b + h * sq_h + rm[:, None] * D + rd[None, :]
-    q = tl.load(q_ptr + qoff)
-    qr = tl.load(qr_ptr + qoff)
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.zeros([MP], tl.float32)
     acc_r = tl.zeros([MP, D], tl.float32)
@@ -258,12 +257,7 @@ def decode_planes_kernel(
             else:
                 acc_r = acc_r * alpha[:, None] + tl.where(vflag != 0, o, 0.0)
                 acc_p = acc_p * alpha[:, None] + tl.where(vflag != 0, 0.0, o)
-    so = (pid * S + s) * MP
-    tl.store(m_ptr + so + rm, m_i)
-    tl.store(l_ptr + so + rm, l_i)
-    ao = so * D + rm[:, None] * D + rd[None, :]
-    tl.store(or_ptr + ao, acc_r)
-    tl.store(op_ptr + ao, acc_p)
+    _store_state(m_ptr, l_ptr, or_ptr, op_ptr, S, m_i, l_i, acc_r, acc_p, MP, D)
 
 
 # -- the bf16 parts stacked as rows of one dot (decode_planes_kernel's STACK) -----------------------------------
