@@ -42,6 +42,18 @@ def _program(q_ptr, qr_ptr, sq_b, sq_h, nb_ptr, H, BPS, MP: tl.constexpr, D: tl.
 
 
 @triton.jit
+def _key_query(q, qr, flag_ptr, KROT: tl.constexpr):
+    """The query a key tile is scored with: plain (KROT 0), rotated (1), or as the tile's flag says (2)."""
+    if KROT == 0:
+        qk = q
+    elif KROT == 1:
+        qk = qr
+    else:
+        qk = tl.where(tl.load(flag_ptr) != 0, qr, q)
+    return qk
+
+
+@triton.jit
 def _store_state(m_ptr, l_ptr, or_ptr, op_ptr, S, m_i, l_i, acc_r, acc_p, MP: tl.constexpr, D: tl.constexpr):
     """This program's partial state (m, l [MP], acc_rot, acc_plain [MP, D]) at its (row x head, split) slot."""
     rm = tl.arange(0, MP)
@@ -81,13 +93,7 @@ def decode_split_kernel(
         codes = load_codes(kc_ptr + ko, D, G, KBITS, PLANES)  # [D, G]
         ka = tl.load(ka_ptr + blk * ka_n + h * ka_h + b * ka_b + rd).to(tl.float32)
         kz = tl.load(kz_ptr + blk * kz_n + h * kz_h + b * kz_b + rd).to(tl.float32)
-        if KROT == 0:
-            qk = q
-        elif KROT == 1:
-            qk = qr
-        else:
-            flag = tl.load(kf_ptr + blk * kf_n + h * kf_h + b * kf_b)
-            qk = tl.where(flag != 0, qr, q)
+        qk = _key_query(q, qr, kf_ptr + blk * kf_n + h * kf_h + b * kf_b, KROT)
         sc = _dot(qk * ka[None, :], codes, PREC) + tl.sum(qk * kz[None, :], axis=1)[:, None]
         if KCOL:
             sc = sc * tl.load(kt_ptr + blk * kt_n + h * kt_h + b * kt_b + rg).to(tl.float32)[None, :]
@@ -211,13 +217,7 @@ def decode_planes_kernel(
         kbytes = tl.load(kc_ptr + blk * kc_n + h * kc_h + b * kc_b + rd[:, None] * GB + rt[None, :])
         ka = tl.load(ka_ptr + blk * ka_n + h * ka_h + b * ka_b + rd).to(tl.float32)
         kz = tl.load(kz_ptr + blk * kz_n + h * kz_h + b * kz_b + rd).to(tl.float32)
-        if KROT == 0:
-            qk = q
-        elif KROT == 1:
-            qk = qr
-        else:
-            flag = tl.load(kf_ptr + blk * kf_n + h * kf_h + b * kf_b)
-            qk = tl.where(flag != 0, qr, q)
+        qk = _key_query(q, qr, kf_ptr + blk * kf_n + h * kf_h + b * kf_b, KROT)
         qh, qm, ql = _operand(qk * ka[None, :], PREC, STACK, MP, D)
         qz = tl.sum(qk * kz[None, :], axis=1)
         vo = blk * vc_n + h * vc_h + b * vc_b
