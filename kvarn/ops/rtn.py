@@ -45,33 +45,45 @@ def rtn_targets(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
     return (x - lo) / delta, delta, lo
 
 
-def query_aware_round(u: torch.Tensor, hessian: torch.Tensor, bits: int, damp: float = 0.01) -> torch.Tensor:
-    """Round codes column by column so that the rounding error r = q - u of each column minimises r^T H r (not
-    sum r^2): the GPTQ/OBQ order over the rows. u [N, R, C] unrounded codes (rows: the axis the error couples,
-    e.g. a key tile's channels; columns: its tokens), hessian H [N, R, R] symmetric positive semi-definite, shared
-    by the columns of a tile. Rows are rounded in order 0..R-1, each to its nearest level in [0, 2^b - 1], and its
-    error is pushed onto the rows not yet rounded through the upper Cholesky factor U of (H + damp mean(diag H) I)^-1:
-        q_r = clamp(round(u_r)),  u_j -= (u_r - q_r) U_rj / U_rr   for j > r.
-    A diagonal H has a diagonal U: plain round-to-nearest, bit for bit. Returns uint8 codes [N, R, C]; the pass
-    runs in u's dtype, the factorisation in float64."""
-    levels = (1 << check_bits(bits)) - 1
-    n, r, _ = u.shape
-    if hessian.shape != (n, r, r):
-        raise ValueError(f"hessian must be [N, R, R] = {(n, r, r)}, got {tuple(hessian.shape)}")
-    h = hessian.double()
+def query_aware_coefficients(sigma: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """The rounding coefficients of `query_aware_round` for second moments Sigma [N, R, R] of the queries (in the
+    basis the rows are stored in), float32 [N, R, R]: C_rj = U_rj / U_rr, U upper with U^T U = Sigma'^-1,
+        Sigma' = Sigma + damp mean(diag Sigma) I        (an all-zero Sigma, no query yet: a multiple of I)
+    in float64, each distinct matrix once (a cache hands one copy per tile of a KV head). A diagonal Sigma gives the
+    identity: nearest rounding. Where Sigma' is not positive definite in floating point, ten times the damping."""
+    n, r, _ = sigma.shape
+    uniq, inverse = torch.unique(sigma.reshape(n, -1), dim=0, return_inverse=True)
+    h = uniq.view(-1, r, r).double()
     h = (h + h.transpose(-1, -2)) / 2
-    diag = h.diagonal(dim1=-2, dim2=-1)
-    mean = diag.mean(-1).clamp_min(1e-30)  # [N]; an all-zero H (no query yet) becomes the identity's multiple
-    h = h + (damp * mean)[:, None, None] * torch.eye(r, dtype=h.dtype, device=h.device)
-    # U upper with U^T U = H^-1: the reversed lower Cholesky of the reversed inverse (torch.linalg.cholesky(upper=True)
-    # gives U with U^H U = A, which is that factor); fall back to more damping where H is not positive definite
-    hinv = torch.linalg.inv(h)
-    up, info = torch.linalg.cholesky_ex(hinv, upper=True)
+    eye = torch.eye(r, dtype=h.dtype, device=h.device)
+    mean = h.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
+    # U upper with U^T U = H^-1 (torch.linalg.cholesky(upper=True) gives U with U^H U = A)
+    up, info = torch.linalg.cholesky_ex(torch.linalg.inv(h + (damp * mean)[:, None, None] * eye), upper=True)
     bad = info != 0
     if bool(bad.any()):
-        hb = h[bad] + (mean[bad] * 0.1)[:, None, None] * torch.eye(r, dtype=h.dtype, device=h.device)
+        hb = h[bad] + (10 * damp * mean[bad])[:, None, None] * eye
         up[bad] = torch.linalg.cholesky(torch.linalg.inv(hb), upper=True)
-    coef = (up / up.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)).to(u.dtype)  # [N, R, R]: U_rj / U_rr
+    coef = (up / up.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)).float()
+    return coef[inverse]
+
+
+def query_aware_round(u: torch.Tensor, coef: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round codes column by column so that the error of each column, in the rows' own units, minimises
+    e^T Sigma' e (not sum e^2): the GPTQ/OBQ order over the rows. u [N, R, C] unrounded codes (rows: the axis the
+    error couples, a key tile's channels; columns: its tokens), coef [N, R, R] from `query_aware_coefficients`,
+    step [N, R] > 0 the rows' quantization steps a (row r's error is a_r (q_r - u_r); with VarN also a column factor,
+    which does not move the argmin). Rows are rounded in order 0..R-1, each to its nearest level in [0, 2^b - 1],
+    and its error pushed onto the rows not yet rounded:
+        m_rj = C_rj a_r / a_j        (the code-space Hessian diag(a) Sigma' diag(a) has factor U diag(1/a))
+        q_r = clamp(round(u_r)),  u_j -= m_rj (u_r - q_r)      for j > r, product then difference, in u's dtype.
+    A diagonal Sigma is plain round-to-nearest, bit for bit. Returns uint8 codes [N, R, C]."""
+    levels = (1 << check_bits(bits)) - 1
+    n, r, _ = u.shape
+    if coef.shape != (n, r, r) or step.shape != (n, r):
+        raise ValueError(f"coef must be [N, R, R] = {(n, r, r)} and step [N, R] = {(n, r)}, got "
+                         f"{tuple(coef.shape)} and {tuple(step.shape)}")
+    a = step.to(u.dtype)
+    m = coef.to(u.dtype) * a[:, :, None] / a[:, None, :]
     w = u.clone()
     q = torch.empty_like(w)
     for i in range(r):
@@ -79,5 +91,5 @@ def query_aware_round(u: torch.Tensor, hessian: torch.Tensor, bits: int, damp: f
         q[:, i] = qi
         if i + 1 < r:
             err = w[:, i] - qi  # [N, C]
-            w[:, i + 1:] -= coef[:, i, i + 1:, None] * err[:, None, :]
+            w[:, i + 1:] -= m[:, i, i + 1:, None] * err[:, None, :]
     return q.to(torch.uint8)

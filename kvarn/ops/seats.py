@@ -7,10 +7,10 @@ kernels for CPU). Which path a call takes is `kvarn.ops.dispatch` (KVARN_KERNEL)
 kernel serves the call; `supported(seat, device)` gives the registered kernel's reason why not (None: it serves it).
 
     kvarn::tile_store(x [N, G, D], weight [N, D]?, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype,
-                      relative) -> (codes, row_scale, row_zero, col_scale | [0], rotated | [0], input_finite [N],
-                      fields_finite [N])
-        AffineQuantizer tiles (kvarn.quant.affine; codes `kvarn.ops.codes`); default: the quantizer's reference,
-        registered by kvarn.quant.affine.
+                      relative, coef [N, B, D, D]?) -> (codes, row_scale, row_zero, col_scale | [0], rotated | [0],
+                      input_finite [N], fields_finite [N])
+        AffineQuantizer tiles (kvarn.quant.affine; codes `kvarn.ops.codes`; coef: query-aware rounding of keys,
+        `kvarn.ops.rtn`); default: the quantizer's reference, registered by kvarn.quant.affine.
     kvarn::packed_decode(q, qh, hadamard, scale, key fields + strides, bits, rotate, value fields + strides, bits,
                          rotate, block_table, n_blocks, tile, exact map/keys/values, dense keys/values/positions,
                          tiles_pos, bias, length, softcap, splits, paged rows/index/position) -> (out_plain,
@@ -29,8 +29,8 @@ from kvarn.ops.decode import packed_decode_reference
 from kvarn.ops.packing import packed_size
 
 STORE_SCHEMA = ("(Tensor x, Tensor? weight, int bits, bool channel, int rotate, bool varn, int varn_iters, "
-                "int scale_dtype, int col_dtype, bool relative) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-                "Tensor)")
+                "int scale_dtype, int col_dtype, bool relative, Tensor? coef=None) -> (Tensor, Tensor, Tensor, Tensor, "
+                "Tensor, Tensor, Tensor)")
 DECODE_SCHEMA = ("(Tensor q, Tensor qh, Tensor hadamard, float scale, Tensor[] key_fields, int[] key_strides, "
                  "int key_bits, int key_rotate, Tensor[] value_fields, int[] value_strides, int value_bits, "
                  "int value_rotate, Tensor block_table, Tensor n_blocks, int tile, Tensor exact_map, Tensor exact_k, "
@@ -56,7 +56,7 @@ def supported(seat: str, device: torch.device, *args) -> str | None:
 
 
 @torch.library.register_fake("kvarn::tile_store")
-def _store_fake(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative):
+def _store_fake(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative, coef=None):
     n, g, d = x.shape
     r, c = (d, g) if channel else (g, d)
     sd = CODE_DTYPES[scale_dtype]

@@ -27,7 +27,7 @@ from kvarn.ops.codes import CODE_DTYPES, DTYPE_CODES, Rotation
 from kvarn.ops.dispatch import use_kernel
 from kvarn.ops.hadamard import hadamard_dense, hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
-from kvarn.ops.rtn import check_bits, query_aware_round, rtn_quantize, rtn_targets
+from kvarn.ops.rtn import check_bits, query_aware_coefficients, query_aware_round, rtn_quantize, rtn_targets
 from kvarn.ops.seats import supported
 from kvarn.ops.varn import DEFAULT_ITERS, varn
 from kvarn.quant.base import TileQuantizer, check_tiles
@@ -289,12 +289,12 @@ class QueryAwareQuantizer(AffineQuantizer):
     e^T Sigma e, instead of sum_d e_d^2 (`kvarn.ops.rtn.query_aware_round`). Same format, scales and bytes: only
     the codes differ. Sigma = E[q q^T], the running second moment of the queries of the tile's KV head
     (`kvarn.quant.policy.QueryCovariance`), [N, D, D] per tile, in the plain basis; the rotated encoding uses
-    H Sigma H (q . k = (q H) . (k H)). With VarN the error of channel d, token g is a_d t_g (q - u), so the rounding
-    Hessian of a token is t_g^2 diag(a) Sigma diag(a): one per tile (the token factor does not change the argmin).
+    H Sigma H (q . k = (q H) . (k H)). With VarN the error of channel d, token g is a_d t_g (q - u): the token factor
+    t_g does not move the argmin, the channel steps a_d enter the coefficients (`query_aware_round`).
     A weight [N, D] (query energy alone) or none is a diagonal Sigma: nearest rounding, as `AffineQuantizer`.
     The rotation choice (rotate="auto") keeps the policy's diagonal weight, diag(Sigma).
 
-    No fused kernel: `encode` always takes the PyTorch reference (KVARN_KERNEL=cpu refuses, naming why)."""
+    The fused CPU store kernel rounds the same way, given the coefficients (`kvarn.kernels.cpu.store`)."""
 
     takes_covariance = True  # the cache feeds the full [N, D, D] second moment (kvarn.cache.store.LayerStore)
 
@@ -316,37 +316,60 @@ class QueryAwareQuantizer(AffineQuantizer):
         if weight is not None and weight.shape not in ((n, d), (n, d, d)):
             raise ValueError(f"weight must be [N, D] = {(n, d)} or [N, D, D], got {tuple(weight.shape)}")
 
-    def _kernel(self, x: torch.Tensor) -> bool:
-        return use_kernel(lambda: "query-aware rounding has no fused kernel", f"the fused store kernel cannot encode "
-                          f"{self.name}")
+    def coefficients(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Sigma [N, D, D] (plain basis) -> the rounding coefficients [N, B, D, D] of each basis the configuration
+        encodes (`query_aware_coefficients`): B = 2 under rotate="auto" (rotated, then plain), else 1."""
+        sigma = sigma.float()
+        bases = []
+        if self.config.rotate != "none":
+            bases.append(hadamard_transform(hadamard_transform(sigma).transpose(-1, -2)))  # H Sigma H
+        if self.config.rotate != "hadamard":
+            bases.append(sigma)
+        return torch.stack([query_aware_coefficients(s, self.damp) for s in bases], dim=1)
 
-    def _encode_rows_qa(self, x: torch.Tensor, fmt: AffineFormat, sigma: torch.Tensor | None) -> AffineTiles:
-        """`_encode_rows` with the codes rounded against sigma [N, D, D] (None: nearest)."""
+    @staticmethod
+    def _split(weight: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """weight -> (the policy's diagonal weight, Sigma or None)."""
+        if weight is None or weight.dim() == 2:
+            return weight, None
+        return weight.diagonal(dim1=-2, dim2=-1), weight
+
+    def encode_kernel(self, x: torch.Tensor, weight: torch.Tensor | None = None
+                      ) -> tuple[AffineTiles, torch.Tensor, torch.Tensor]:
+        diag, sigma = self._split(weight)
         if sigma is None:
-            return self._encode_rows(x, fmt)
+            return super().encode_kernel(x, diag)
+        c, fmt = self.config, self.format(x.shape[2])
+        w = diag.float() if c.rotate == "auto" and kernel_weighted(self.policy) else None
+        codes, a, z, t, rot, finite_in, finite_out = STORE_SEAT(
+            x, w, c.bits, True, fmt.rotation, c.varn, c.varn_iters, DTYPE_CODES[c.scale_dtype],
+            DTYPE_CODES.get(fmt.col_dtype, 0), self._relative, self.coefficients(sigma.to(x.device)))
+        return AffineTiles(codes, a, z, t if c.varn else None, rot if c.rotate == "auto" else None,
+                           fmt=fmt), finite_in, finite_out
+
+    def _encode_rows_qa(self, x: torch.Tensor, fmt: AffineFormat, coef: torch.Tensor) -> AffineTiles:
+        """`_encode_rows` with the codes rounded with coefficients coef [N, D, D]."""
         b, s_col, s_row = self._normalized(x)
         u, delta, lo = rtn_targets(b, self.config.bits)
         delta, lo = self._row_steps(delta, lo, s_row)
-        a = delta.double()  # [N, D]: the x-space step of each channel (the token factor t_g drops out)
-        q = query_aware_round(u, a[:, :, None] * sigma.double() * a[:, None, :], self.config.bits, self.damp)
-        return self._tiles(q, delta, lo, s_col, fmt)
+        return self._tiles(query_aware_round(u, coef, delta, self.config.bits), delta, lo, s_col, fmt)
 
     def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
         """`AffineQuantizer.encode_reference` with query-aware codes where weight is [N, D, D] (class docstring)."""
-        sigma = weight if weight is not None and weight.dim() == 3 else None
+        diag, sigma = self._split(weight)
         if sigma is None:
-            return super().encode_reference(x, weight)
-        sigma = sigma.to(x.device).float()
-        diag = sigma.diagonal(dim1=-2, dim2=-1)
+            return super().encode_reference(x, diag)
+        return self.encode_rounded(x, diag, self.coefficients(sigma.to(x.device)))
+
+    def encode_rounded(self, x: torch.Tensor, diag: torch.Tensor | None, coef: torch.Tensor) -> AffineTiles:
+        """The reference given the coefficients [N, B, D, D] (`coefficients`) and the policy's weight diag [N, D]."""
         w, fmt = x.float(), self.format(x.shape[2])
-        plain_sigma = sigma
-        rot_sigma = hadamard_transform(hadamard_transform(sigma).transpose(-1, -2))  # H Sigma H
         if self.config.rotate == "none":
-            return self._encode_rows_qa(self._to_rows(w), fmt, plain_sigma)
-        rot = self._encode_rows_qa(self._to_rows(hadamard_transform(w)), fmt, rot_sigma)
+            return self._encode_rows_qa(self._to_rows(w), fmt, coef[:, 0])
+        rot = self._encode_rows_qa(self._to_rows(hadamard_transform(w)), fmt, coef[:, 0])
         if self.config.rotate == "hadamard":
             return rot
-        plain = self._encode_rows_qa(self._to_rows(w), fmt, plain_sigma)
+        plain = self._encode_rows_qa(self._to_rows(w), fmt, coef[:, 1])
         x_rot = hadamard_transform(self._from_rows(self._decode_rows(rot)))
         x_plain = self._from_rows(self._decode_rows(plain))
         keep = self.policy(w, x_rot, x_plain, diag).to(x.device)
@@ -360,18 +383,21 @@ class QueryAwareQuantizer(AffineQuantizer):
 
 
 def tile_store_reference(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel: bool, rotate: int,
-                         varn: bool, varn_iters: int, scale_dtype: int, col_dtype: int, relative: bool
-                         ) -> tuple[torch.Tensor, ...]:
+                         varn: bool, varn_iters: int, scale_dtype: int, col_dtype: int, relative: bool,
+                         coef: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The default of the tile store seat: `encode_reference` of the quantizer these parameters describe (policy
     query with a weight, mse without), non-finite tiles encoded as zeros (`TileQuantizer.encode_tiles`); absent
     outputs (no VarN: col_scale; rotate != auto: rotated) are empty tensors of x's dtype, as the kernel's."""
     sd, cd = CODE_DTYPES[scale_dtype], CODE_DTYPES[col_dtype]
     cfg = AffineConfig(bits, "channel" if channel else "token", Rotation(rotate).name.lower(), varn, varn_iters,
                        x.shape[1], sd, cd if varn and (relative or cd != sd) else None)
-    q = AffineQuantizer(cfg, "query" if weight is not None else "mse")
+    policy = "query" if weight is not None else "mse"
     finite = torch.isfinite(x).flatten(1).all(dim=1)
     x = torch.where(finite.view(-1, 1, 1), x, torch.zeros_like(x))
-    p = q.encode_reference(x, weight)
+    if coef is None:
+        p = AffineQuantizer(cfg, policy).encode_reference(x, weight)
+    else:  # query-aware rounding with the caller's coefficients
+        p = QueryAwareQuantizer(cfg, policy).encode_rounded(x, weight, coef)
     return (p.codes, p.row_scale, p.row_zero, x.new_empty(0) if p.col_scale is None else p.col_scale,
             x.new_empty(0) if p.rotated is None else p.rotated, finite, p.finite_tiles().to(finite.device))
 

@@ -18,7 +18,7 @@ from kvarn.integrations.transformers import KVarNCache
 from kvarn.ops.decode import packed_decode_reference
 from kvarn.ops.dispatch import mode
 from kvarn.presets import get_preset
-from kvarn.quant.affine import tile_store_reference
+from kvarn.quant.affine import QueryAwareQuantizer, tile_store_reference
 from tests.helpers import build_past, make_inputs, make_tiny_model
 
 UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -55,6 +55,26 @@ def test_tile_store_opcheck_and_reference(name, kind, monkeypatch, seed):
     assert ref[5].tolist() == [True, False, True]
     got = torch.ops.kvarn.tile_store.default(*args)
     assert [t.dtype for t in got] == [t.dtype for t in ref] and [t.shape for t in got] == [t.shape for t in ref]
+
+
+@needs_kernel
+def test_tile_store_opcheck_with_query_aware_coefficients(monkeypatch, seed):
+    """The seat's optional coef (query-aware rounding of keys): opcheck, and its default equals the kernel."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 64, 64, generator=g)
+    a = torch.randn(3, 64, 4, generator=g)
+    sigma = a @ a.transpose(1, 2) + 0.1 * torch.eye(64)
+    q = QueryAwareQuantizer(get_preset("kvarn-auto-k2v2-g64").quantizers(64)[0].config)
+    seen = []
+    real = affine.STORE_SEAT
+    monkeypatch.setattr(affine, "STORE_SEAT", lambda *a: seen.append(a) or real(*a))
+    q.encode_kernel(x, sigma)
+    monkeypatch.setattr(affine, "STORE_SEAT", real)
+    args = seen[0]
+    assert args[-1].shape == (3, 2, 64, 64)
+    torch.library.opcheck(torch.ops.kvarn.tile_store.default, args, test_utils=UTILS)
+    for got, want in zip(torch.ops.kvarn.tile_store.default(*args), tile_store_reference(*args), strict=True):
+        assert torch.equal(got, want)
 
 
 def q_auto(name: str) -> bool:

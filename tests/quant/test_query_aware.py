@@ -2,11 +2,12 @@
 `kvarn.quant.affine.QueryAwareQuantizer`, `kvarn.quant.policy.QueryCovariance`; registered only by
 scripts/budget_variants.py).
 
-Checked: its unrounded codes are RTN's bit for bit; a diagonal Hessian (Sigma = identity) gives nearest rounding bit
-for bit; the codes equal a float64 OBQ reference (tests/reference/query_aware.py) and lower r^T H r against nearest
-rounding; the quantizer keeps every field but the codes, equals `AffineQuantizer` without a covariance (or with the
-identity), lowers the logit error e^T Sigma e of real decodes in each basis, and never takes the fused kernel; the
-cache feeds it the running E[q q^T] of each KV head.
+Checked: its unrounded codes are RTN's bit for bit; a diagonal Sigma gives nearest rounding bit for bit; the codes
+equal a float64 OBQ reference (tests/reference/query_aware.py) and lower r^T H r against nearest rounding; the
+quantizer keeps every field but the codes, equals `AffineQuantizer` without a covariance (or with the identity),
+lowers the logit error e^T Sigma e of real decodes in each basis; the fused CPU store kernel's fields equal the
+reference's bit for bit (every rotation, with and without VarN, 2/3/4 bits, bf16 input, non-finite tiles); the cache
+feeds it the running E[q q^T] of each KV head.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import pytest
 import torch
 
 from kvarn.cache.store import LayerStore
-from kvarn.ops.rtn import query_aware_round, rtn_quantize, rtn_targets
+from kvarn.kernels.cpu.build import load
+from kvarn.ops.rtn import query_aware_coefficients, query_aware_round, rtn_quantize, rtn_targets
 from kvarn.presets import get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer, QueryAwareQuantizer
 from kvarn.quant.policy import QueryCovariance, QueryEnergy
-from tests.reference.query_aware import query_aware_tile
+from tests.reference.query_aware import hessian, query_aware_tile
 
 G, D = 128, 64
 COL = torch.float8_e4m3fn  # kvarn-auto's relative column scales
@@ -47,43 +49,61 @@ def test_targets_round_to_rtn_codes(dtype: torch.dtype, bits: int) -> None:
     assert torch.equal(delta, d2) and torch.equal(lo, l2)
 
 
+def qa_round(u: torch.Tensor, sigma: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    return query_aware_round(u, query_aware_coefficients(sigma), step, bits)
+
+
 @pytest.mark.parametrize("bits", [2, 4])
-def test_diagonal_hessian_is_nearest_rounding(bits: int) -> None:
+def test_diagonal_sigma_is_nearest_rounding(bits: int) -> None:
     x = torch.randn(6, D, G)
-    u, _, _ = rtn_targets(x, bits)
+    u, delta, _ = rtn_targets(x, bits)
     q, _, _ = rtn_quantize(x, bits)
+    step = delta.squeeze(-1)
     eye = torch.eye(D).expand(6, D, D)
-    assert torch.equal(query_aware_round(u, eye, bits), q)
+    assert torch.equal(qa_round(u, eye, step, bits), q)
     diag = torch.diag_embed(torch.rand(6, D) + 0.1)  # any diagonal: no coupling, nothing to push
-    assert torch.equal(query_aware_round(u, diag, bits), q)
-    assert torch.equal(query_aware_round(u, torch.zeros(6, D, D), bits), q)  # no query yet: the damping alone
+    assert torch.equal(qa_round(u, diag, step, bits), q)
+    assert torch.equal(qa_round(u, torch.zeros(6, D, D), step, bits), q)  # no query yet: the damping alone
+
+
+def test_coefficients_factorise_each_distinct_sigma_once() -> None:
+    gen = torch.Generator().manual_seed(4)
+    s = correlated_sigma(3, D, gen).float()
+    many = s[torch.tensor([0, 1, 0, 2, 2, 1])]
+    c = query_aware_coefficients(many)
+    assert c.dtype == torch.float32 and torch.equal(c, query_aware_coefficients(s)[torch.tensor([0, 1, 0, 2, 2, 1])])
+    assert torch.equal(c.diagonal(dim1=-2, dim2=-1), torch.ones(6, D))
+    assert torch.equal(c.tril(-1), torch.zeros(6, D, D))
 
 
 @pytest.mark.parametrize("bits", [2, 3])
 def test_equals_float64_obq_reference(bits: int) -> None:
     gen = torch.Generator().manual_seed(1)
     n, r, c = 3, 16, 12
-    x = torch.randn(n, r, c, generator=gen, dtype=torch.float64)
-    u, _, _ = rtn_targets(x, bits)
-    h = correlated_sigma(n, r, gen, rank=3)
-    q = query_aware_round(u, h, bits)
+    x = torch.randn(n, r, c, generator=gen, dtype=torch.float64) * torch.rand(n, r, 1, generator=gen) * 3
+    u, delta, _ = rtn_targets(x, bits)
+    step = delta.squeeze(-1)  # rows of unequal steps: the coefficients' a_r / a_j matters
+    s = correlated_sigma(n, r, gen, rank=3)
+    q = query_aware_round(u, query_aware_coefficients(s).double(), step, bits)
     for i in range(n):
-        assert torch.equal(q[i].long(), query_aware_tile(u[i], h[i], bits)), i
+        assert torch.equal(q[i].long(), query_aware_tile(u[i], s[i], step[i], bits)), i
 
 
 def test_lowers_the_quadratic_form() -> None:
     gen = torch.Generator().manual_seed(2)
     n = 16
-    x = torch.randn(n, D, G, generator=gen)
-    u, _, _ = rtn_targets(x, 2)
+    x = torch.randn(n, D, G, generator=gen) * torch.rand(n, D, 1, generator=gen)
+    u, delta, _ = rtn_targets(x, 2)
     q0, _, _ = rtn_quantize(x, 2)
-    h = correlated_sigma(n, D, gen)
-    q1 = query_aware_round(u, h, 2)
+    step = delta.squeeze(-1)
+    s = correlated_sigma(n, D, gen)
+    q1 = qa_round(u, s, step, 2)
+    h = torch.stack([hessian(s[i], step[i]) for i in range(n)])
     e0, e1 = form(q0.double() - u.double(), h), form(q1.double() - u.double(), h)
     assert (e1 < e0).all()
     assert float(e1.sum() / e0.sum()) < 0.7  # strong correlation: a large cut, not a marginal one
-    with pytest.raises(ValueError, match="hessian"):
-        query_aware_round(u, h[:, :8, :8], 2)
+    with pytest.raises(ValueError, match="coef"):
+        query_aware_round(u, query_aware_coefficients(s)[:, :8, :8], step, 2)
 
 
 def configs() -> list[AffineConfig]:
@@ -130,20 +150,43 @@ def test_quantizer_lowers_logit_error(cfg: AffineConfig) -> None:
     assert float(err(b).sum()) < 0.8 * float(err(a).sum())
 
 
-def test_quantizer_is_keys_only_and_never_takes_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantizer_is_keys_only() -> None:
     with pytest.raises(ValueError, match="keys"):
         QueryAwareQuantizer(AffineConfig(2, "token", "auto", True, tile=G))
     qa = QueryAwareQuantizer(AffineConfig(2, "channel", "auto", True, tile=G, col_scale_dtype=COL))
     assert qa.takes_weight and qa.takes_covariance and qa.name.endswith("-qar")
-    x, s = torch.randn(2, G, D), torch.eye(D).expand(2, D, D)
-    monkeypatch.setenv("KVARN_KERNEL", "cpu")
-    with pytest.raises(RuntimeError, match="query-aware rounding has no fused kernel"):
-        qa.encode(x, s)
-    monkeypatch.setenv("KVARN_KERNEL", "auto")
-    monkeypatch.setattr(QueryAwareQuantizer, "encode_kernel", lambda *a, **k: pytest.fail("kernel taken"))
-    qa.encode_tiles(x, s)
     with pytest.raises(ValueError, match="weight"):
-        qa.encode(x, torch.ones(2, D, 3))
+        qa.encode(torch.randn(2, G, D), torch.ones(2, D, 3))
+
+
+def kernel_configs() -> list[AffineConfig]:
+    return [*configs(), AffineConfig(3, "channel", "auto", True, tile=G, col_scale_dtype=COL),
+            AffineConfig(4, "channel", "auto", True, tile=G, col_scale_dtype=COL),
+            AffineConfig(2, "channel", "hadamard", True, tile=64, scale_dtype=torch.bfloat16)]
+
+
+@pytest.mark.skipif(load() is None, reason="the CPU extension could not be built")
+@pytest.mark.parametrize("cfg", kernel_configs(), ids=lambda c: f"{c.bits}b-{c.rotate}-varn{int(c.varn)}-g{c.tile}")
+def test_store_kernel_equals_reference(cfg: AffineConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused CPU store rounds query-aware from the same coefficients: every field bit for bit, bf16 input and a
+    non-finite tile (encoded as zeros, flagged) included; the kernel is the path `encode_tiles` takes."""
+    gen = torch.Generator().manual_seed(5)
+    n = 6
+    x = (torch.randn(n, cfg.tile, D, generator=gen) * torch.linspace(0.2, 3, D)).to(torch.bfloat16)
+    x[3, 7, 5] = float("nan")
+    sigma = correlated_sigma(n, D, gen).float()
+    qa = QueryAwareQuantizer(cfg)
+    monkeypatch.setenv("KVARN_KERNEL", "cpu")
+    got, fin, ok = qa.encode_tiles(x, sigma)
+    monkeypatch.setenv("KVARN_KERNEL", "torch")
+    want, fin_r, ok_r = qa.encode_tiles(x, sigma)
+    assert torch.equal(fin, fin_r) and torch.equal(ok, ok_r) and not bool(fin[3])
+    tg, tw = got.tensors(), want.tensors()
+    assert tg.keys() == tw.keys()
+    for k in tw:
+        assert torch.equal(tg[k], tw[k]), k
+    plain = AffineQuantizer(cfg).encode_reference(x.float(), sigma.diagonal(dim1=-2, dim2=-1))
+    assert not torch.equal(got.codes, plain.codes)  # the kernel did round query-aware
 
 
 def test_query_covariance_statistics() -> None:
@@ -169,7 +212,7 @@ def test_store_feeds_the_covariance() -> None:
     st, ref = LayerStore.from_preset(qa_preset, D), LayerStore.from_preset(base, D)
     assert type(st.queries) is QueryCovariance and type(ref.queries) is QueryEnergy
     seen = []
-    encode = QueryAwareQuantizer.encode
+    encode = QueryAwareQuantizer.encode_tiles
 
     def spy(self, x, weight=None):
         seen.append(None if weight is None else tuple(weight.shape))
@@ -177,7 +220,7 @@ def test_store_feeds_the_covariance() -> None:
 
     k, v = torch.randn(2, 2, 2 * G + 3, D), torch.randn(2, 2, 2 * G + 3, D)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(QueryAwareQuantizer, "encode", spy)
+        mp.setattr(QueryAwareQuantizer, "encode_tiles", spy)
         st.append(k, v, defer_keys=True)
         st.observe_queries(torch.randn(2, 14, 2 * G + 3, D))
     assert seen == [(2 * 2 * 1, D, D)]  # sink 128, then one tile per (row, head)

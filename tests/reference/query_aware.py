@@ -3,7 +3,7 @@ the rows of one column in order and, after each, move the rows not yet rounded t
 the rounded ones, through the inverse of H restricted to the rows still free (not the Cholesky factor the library
 uses: the same update, computed another way).
 
-    H' = H + damp mean(diag H) I
+    H' = diag(a) (Sigma + damp mean(diag Sigma) I) diag(a)     (a: the rows' quantization steps)
     for i = 0 .. R-1:   F = [i, R),  P = (H'_FF)^-1
                         q_i = clamp(round(u_i), 0, 2^b - 1),   e = u_i - q_i
                         u_j -= e P[j, i] / P[i, i]   for j in F, j > i
@@ -14,13 +14,19 @@ from __future__ import annotations
 import torch
 
 
-def query_aware_column(u: list[float], h: torch.Tensor, bits: int, damp: float = 0.01) -> list[int]:
-    """Codes of one column u [R] (a list of floats) under H [R, R]."""
+def hessian(sigma: torch.Tensor, step: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """The code-space Hessian H' [R, R] of Sigma [R, R] and the steps a [R], float64."""
+    s = sigma.double()
+    s = (s + s.T) / 2
+    s = s + damp * max(float(s.diagonal().mean()), 1e-30) * torch.eye(len(s), dtype=torch.float64)
+    a = step.double()
+    return a[:, None] * s * a[None, :]
+
+
+def query_aware_column(u: list[float], h: torch.Tensor, bits: int) -> list[int]:
+    """Codes of one column u [R] (a list of floats) under H' [R, R] (`hessian`)."""
     levels = 2**bits - 1
     r = len(u)
-    h = h.double()
-    h = (h + h.T) / 2
-    h = h + damp * max(float(h.diagonal().mean()), 1e-30) * torch.eye(r, dtype=torch.float64)
     w = [float(x) for x in u]
     out = []
     for i in range(r):
@@ -34,7 +40,9 @@ def query_aware_column(u: list[float], h: torch.Tensor, bits: int, damp: float =
     return out
 
 
-def query_aware_tile(u: torch.Tensor, h: torch.Tensor, bits: int, damp: float = 0.01) -> torch.Tensor:
-    """u [R, C], H [R, R] -> codes [R, C] (long), column by column."""
-    cols = [query_aware_column(u[:, c].tolist(), h, bits, damp) for c in range(u.shape[1])]
+def query_aware_tile(u: torch.Tensor, sigma: torch.Tensor, step: torch.Tensor, bits: int,
+                     damp: float = 0.01) -> torch.Tensor:
+    """u [R, C], Sigma [R, R], steps a [R] -> codes [R, C] (long), column by column."""
+    h = hessian(sigma, step, damp)
+    cols = [query_aware_column(u[:, c].tolist(), h, bits) for c in range(u.shape[1])]
     return torch.tensor(cols, dtype=torch.long).T

@@ -14,7 +14,7 @@ std::vector<at::Tensor> decode_attention(
 
 std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t bits, bool channel,
                                     int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,
-                                    bool relative);
+                                    bool relative, const at::Tensor& coef);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "fused decode attention over packed KVarN tiles");

@@ -14,8 +14,9 @@ from kvarn.kernels.cpu.build import error, load
 from kvarn.ops import seats
 
 
-def _tile_store(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative):
-    out = store.store_tiles(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative)
+def _tile_store(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative, coef=None):
+    out = store.store_tiles(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative,
+                            coef)
     return tuple(x.new_empty(0) if t is None else t for t in out)
 
 

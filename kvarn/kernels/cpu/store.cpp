@@ -120,11 +120,12 @@ struct Encoded {
 // A thread's scratch for one tile shape (kept between calls: allocating and zeroing it cost as much as a small call)
 struct Work {
   int G, D, R;
-  std::vector<float> x0, x, dec, b, sc, sr, lc, lr, ec, er, bc, br, tf, rec;
+  std::vector<float> x0, x, dec, b, sc, sr, lc, lr, ec, er, bc, br, tf, rec, u, m, step, err;
   std::vector<double> zsd, iec, ier;
   Work(const Config& c)
       : G(c.G), D(c.D), R(c.R), x0(c.G * c.D), x(c.R * c.C), dec(c.R * c.C), b(c.R * c.C), sc(c.C), sr(c.R),
-        lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R), tf(c.C), rec(c.G * c.D), zsd(c.R), iec(c.C), ier(c.R) {}
+        lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R), tf(c.C), rec(c.G * c.D), u(c.R * c.C), m(c.R * c.R),
+        step(c.R), err(c.C), zsd(c.R), iec(c.C), ier(c.R) {}
 };
 
 Work& work_for(const Config& c) {
@@ -328,8 +329,38 @@ void row_codes(const float* row, int n, float lo, float delta, float top, uint8_
     q[j] = static_cast<uint8_t>(std::min(std::max(std::nearbyint((row[j] - lo) / delta), 0.f), top));
 }
 
+// Query-aware rounding (kvarn.ops.rtn.query_aware_round): the rows' unrounded codes w.u [R][C] rounded in order,
+// each row's error pushed onto the rows after it with m_rj = C_rj a_r / a_j (coef [R][R] = C, w.step = a): product,
+// then difference, as torch; a zero m_rj changes nothing, so it is skipped.
+void query_aware_rows(const Config& c, const float* coef, Work& w, uint8_t* q) {
+  const int R = c.R, C = c.C;
+  const float top = static_cast<float>((1 << c.bits) - 1);
+  float* u = w.u.data();
+  float* m = w.m.data();
+  float* err = w.err.data();
+  for (int r = 0; r < R; ++r)
+    for (int j = r + 1; j < R; ++j) m[r * R + j] = coef[r * R + j] * w.step[r] / w.step[j];
+  for (int r = 0; r < R; ++r) {
+    float* ur = u + r * C;
+    uint8_t* qr = q + r * C;
+    for (int g = 0; g < C; ++g) {
+      const float v = std::min(std::max(std::nearbyint(ur[g]), 0.f), top);
+      qr[g] = static_cast<uint8_t>(v);
+      err[g] = ur[g] - v;
+    }
+    for (int j = r + 1; j < R; ++j) {
+      const float mj = m[r * R + j];
+      if (mj == 0.f) continue;
+      float* uj = u + j * C;
+#pragma omp simd
+      for (int g = 0; g < C; ++g) uj[g] = uj[g] - mj * err[g];
+    }
+  }
+}
+
 // X [R][C] -> one encoding: B = X / s_c / s_r (VarN), RTN per row, a = s_r delta, z = s_r lo, t = s_c, packed codes.
-void encode_rows(const Config& c, const float* X, Work& w, Encoded& e) {
+// coef [R][R] (keys only; null: nearest rounding): the codes rounded query-aware instead (query_aware_rows).
+void encode_rows(const Config& c, const float* X, Work& w, Encoded& e, const float* coef = nullptr) {
   const int R = c.R, C = c.C, levels = (1 << c.bits) - 1;
   const float* B = X;
   if (c.varn) {
@@ -355,11 +386,20 @@ void encode_rows(const Config& c, const float* X, Work& w, Encoded& e) {
     float lo, hi;
     row_range(row, C, lo, hi);
     const float delta = std::max((hi - lo) / static_cast<float>(levels), RANGE_GUARD);
-    row_codes(row, C, lo, delta, static_cast<float>(levels), e.q.data() + r * C);
     const float s = c.varn ? w.br[r] : 1.f;
-    put(c.scale_dt, e.a.data(), r, c.varn ? delta * s : delta);
+    const float a = c.varn ? delta * s : delta;
+    if (coef) {  // the unrounded codes, as row_codes forms them
+      float* ur = w.u.data() + r * C;
+#pragma omp simd
+      for (int j = 0; j < C; ++j) ur[j] = (row[j] - lo) / delta;
+      w.step[r] = a;
+    } else {
+      row_codes(row, C, lo, delta, static_cast<float>(levels), e.q.data() + r * C);
+    }
+    put(c.scale_dt, e.a.data(), r, a);
     put(c.zero_dt, e.z.data(), r, c.varn ? lo * s : lo);
   }
+  if (coef) query_aware_rows(c, coef, w, e.q.data());
   const int mb = c.mb();
   if (c.bits == 3) {  // kvarn.ops.packing: groups of 8 codes in 3 bytes, code j at bits [3j, 3j + 3)
     for (int i = 0; i < R * C / 8; ++i) {
@@ -496,13 +536,14 @@ void to_rows(const Config& c, const float* x0t, bool rotate, float* X, float* sc
 
 }  // namespace
 
-// x [N][G][D] float32/fp16/bf16, any strides; weight [N][D] float32 (rotate = auto, weighted) or empty.
+// x [N][G][D] float32/fp16/bf16, any strides; weight [N][D] float32 (rotate = auto, weighted) or empty; coef
+// [N][B][D][D] float32 (keys: query-aware rounding; B = 2 for rotate = auto, the rotated basis first, else 1) or empty.
 // Returns codes [N][R][C*bits/8] uint8, row_scale and row_zero [N][R] (scale dtype; the zero fp16 for 8-bit scales), col_scale [N][C] (col dtype;
 // undefined without VarN), rotated [N] uint8 (undefined unless rotate = auto), and two [N] bool flags: the input tile
 // was finite (else it was encoded as zeros), every stored scale is finite.
 std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t bits, bool channel,
                                     int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,
-                                    bool relative) {
+                                    bool relative, const at::Tensor& coef) {
   TORCH_CHECK(x.dim() == 3 && x.device().is_cpu(), "kvarn store: x must be [N, G, D] on the CPU");
   TORCH_CHECK(bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 8, "kvarn store: bits must be 1, 2, 3, 4 or 8");
   Config c;
@@ -521,6 +562,13 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
   c.zero_dt = c.scale_dt == E4M3 ? F16 : c.scale_dt;
   c.col_dt = static_cast<int>(col_dt);
   c.weighted = weight.numel() > 0;
+  const int nb = c.rotate == 2 ? 2 : 1;
+  TORCH_CHECK(coef.numel() == 0 || (channel && coef.scalar_type() == at::kFloat && coef.is_contiguous() &&
+                                    coef.dim() == 4 && coef.size(0) == N && coef.size(1) == nb &&
+                                    coef.size(2) == c.D && coef.size(3) == c.D),
+              "kvarn store: coef must be float32 [N, ", nb, ", D, D] contiguous, for keys");
+  const float* cp = coef.numel() ? coef.data_ptr<float>() : nullptr;
+  const int64_t dd = static_cast<int64_t>(c.D) * c.D;
   TORCH_CHECK(c.C % (c.bits == 3 ? 8 : 8 / c.bits) == 0, "kvarn store: columns must fill whole bytes");
   TORCH_CHECK(!c.varn || (c.R >= 2 && c.C >= 2), "kvarn store: VarN needs rows and columns >= 2");
   TORCH_CHECK(!c.weighted || (weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 &&
@@ -546,7 +594,7 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
       for (int64_t n = begin; n < end; ++n) {
         o.finite_in[n] = load_tile(x, n, c.G, c.D, w.x0.data());
         to_rows(c, w.x0.data(), c.rotate == 1, w.x.data(), w.rec.data());
-        encode_rows(c, w.x.data(), w, e);
+        encode_rows(c, w.x.data(), w, e, cp ? cp + n * dd : nullptr);
         emit(c, e, o, n);
         o.finite_out[n] = fields_finite(c, e);
       }
@@ -565,7 +613,7 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
       const bool finite = load_tile(x, n, c.G, c.D, w.x0.data());
       if (rotated) o.finite_in[n] = finite;
       to_rows(c, w.x0.data(), rotated, w.x.data(), w.rec.data());
-      encode_rows(c, w.x.data(), w, enc[i]);
+      encode_rows(c, w.x.data(), w, enc[i], cp ? cp + i * dd : nullptr);  // item i = basis i % 2 of tile n
       err[i] = weighted_error(c, enc[i], rotated, w.x0.data(), wp ? wp + n * c.D : nullptr, w);
     }
   });
