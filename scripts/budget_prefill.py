@@ -1,6 +1,7 @@
 """Prefill time of budget presets against their base, and where a budget preset's prefill goes: one forward over a
 prompt of random token ids, the cache passed as a user passes it, 1 thread, presets alternated for `--rounds`
-rounds; then cProfile's top lines (cumulative) of one more prefill with `--profile`'s preset. Used for docs/TASKS.md
+rounds (registered presets and scripts/budget_variants.py's); then cProfile's top lines (cumulative) of one more
+prefill with `--profile`'s preset. Used for docs/TASKS.md
 ("Speed of version 3": the allocation's scoring in prefill).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/budget_prefill.py [--model default] [--tokens 4096] \\
@@ -15,6 +16,7 @@ import pstats
 import time
 
 import torch
+from budget_variants import register_variants  # the lab variants (this folder) by name too
 
 from kvarn.integrations.transformers import KVarNCache
 from kvarn.models import load_model
@@ -28,6 +30,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", default="kvarn-b2.5", help="preset profiled after the timing ('' for none)")
     args = ap.parse_args()
+    register_variants()
     torch.set_num_threads(1)
     model, _ = load_model(args.model)
     ids = torch.randint(100, 20000, (1, args.tokens), generator=torch.Generator().manual_seed(0))

@@ -5,9 +5,8 @@ registered in kvarn itself. `kvarn-b{2.5,3.0}-rank` are version 2 of the registe
 first, pick "rank"); `kvarn-b{2.5,3.0}-best` are version 3, today's `kvarn-b2.5`/`kvarn-b3.0` (the split between 4-
 and 3-bit layers chosen per request, pick "best"), under the names they were measured as;
 `kvarn-auto-k2v2-g128-prerope` stores keys before RoPE; `kvarn-b{2.5,3.0}-fp8` are version 3 with e4m3 row scales
-(the bits saved buy more promoted layers); `kvarn-auto-k2v2-g128-qar` and `kvarn-b{2.5,3.0}-qar` round every key
-tile query-aware (`kvarn.quant.affine.QueryAwareQuantizer`: codes that minimise e^T Sigma_q e with the running
-E[q q^T] of the tile's KV head, GPTQ order over the channels; same bytes; PyTorch store path only).
+(the bits saved buy more promoted layers). (The query-aware variants `kvarn-auto-k2v2-g128-qar` and
+`kvarn-b{2.5,3.0}-qar` measured from here are registered presets now: `kvarn.presets.family`.)
 
     python scripts/budget_variants.py eval tasks --model qwen2.5-coder-0.5b --tasks niah_multikey_1 --lengths 4096 \
         --samples 10 --threads 1 --methods dynamic,kvarn-auto-k2v2-g128,kvarn-b2.5,kvarn-b2.5-k3 \
@@ -22,19 +21,7 @@ import torch
 
 from kvarn.cli import main
 from kvarn.presets.family import BUDGETS, affine_preset, budget_preset
-from kvarn.presets.preset import Preset
 from kvarn.presets.registry import register_preset
-from kvarn.quant.affine import QueryAwareQuantizer
-
-
-def query_aware(preset: Preset, name: str) -> Preset:
-    """`preset` with every key quantizer (key, key_high, key_mid) rounding query-aware; values unchanged."""
-    def wrap(f):
-        return None if f is None else (lambda d: QueryAwareQuantizer(f(d).config))
-
-    return preset.replace(name=name, key=wrap(preset.key), key_high=wrap(preset.key_high),
-                          key_mid=wrap(preset.key_mid), params={**preset.params, "rounding": "query-aware"},
-                          description=preset.description + "; keys rounded query-aware (e^T Sigma_q e, lab variant)")
 
 
 def register_variants() -> None:
@@ -56,13 +43,6 @@ def register_variants() -> None:
     # per-channel zero points absorb; after RoPE it is a per-position sinusoid); reads decode and redo RoPE
     register_preset("kvarn-auto-k2v2-g128-prerope", lambda: affine_preset(
         "kvarn-auto", 2, 2, 128, name="kvarn-auto-k2v2-g128-prerope").replace(key_pre_rope=True))
-
-    # query-aware rounding of keys (issue 20's lever; zero extra bytes)
-    register_preset("kvarn-auto-k2v2-g128-qar", lambda: query_aware(affine_preset("kvarn-auto", 2, 2, 128),
-                                                                    "kvarn-auto-k2v2-g128-qar"))
-    for b in BUDGETS:
-        name = f"kvarn-b{b}-qar"
-        register_preset(name, lambda b=b, name=name: query_aware(budget_preset(b, pick="best"), name))
 
 
 if __name__ == "__main__":

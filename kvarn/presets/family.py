@@ -5,7 +5,9 @@ Families: `kvarn` (Hadamard + VarN), `kvarn-auto` (rotation chosen per tile), `r
 orientation, same tiles), `hadamard` (rotation only), `varn` (normalization only), and `fp16`. The budget family
 `kvarn-b{bits}` (issue 20) is kvarn-auto k2v2 whose keys go to 4 or 3 bits in the layers an online score picks
 (`kvarn.cache.allocation`, rule "output", pick "best": version 3; docs/TASKS.md measures it beside rule "logit"
-and pick "rank"), within an average of `bits` per element at head_dim 128.
+and pick "rank"), within an average of `bits` per element at head_dim 128. A `-qar` suffix (kvarn-auto and the
+budget family) rounds every key tile query-aware (`kvarn.quant.affine.QueryAwareQuantizer`: codes that minimise the
+logit error e^T Sigma e under the running E[q q^T] of the tile's KV head; same tiles, same bytes).
 `PRESETS` lists them as (name, factory, aliases); the registry (`kvarn.presets.registry`) registers them beside the
 baselines' (`kvarn.quant.baselines`).
 """
@@ -18,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from kvarn.presets.preset import Preset
-from kvarn.quant.affine import AffineConfig, AffineQuantizer, Rotate
+from kvarn.quant.affine import AffineConfig, AffineQuantizer, QueryAwareQuantizer, Rotate
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.cache_policy import CachePolicy
 
@@ -40,14 +42,21 @@ BIT_PAIRS = ((2, 2), (4, 2), (4, 4))
 TILES = (128, 64)
 
 
+ROUNDINGS = ("nearest", "query-aware")
+
+
 def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | None = None,
-                  scale_dtype: torch.dtype = torch.float16) -> Preset:
+                  scale_dtype: torch.dtype = torch.float16, rounding: str = "nearest") -> Preset:
+    """`{family}-k{k_bits}v{v_bits}-g{tile}`; rounding "query-aware": keys by `QueryAwareQuantizer` (name + "-qar")."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     rk, rv, use_varn, desc = FAMILIES[family]
     col = COL_SCALE_DTYPE.get(family)
+    key_cls = QueryAwareQuantizer if rounding == "query-aware" else AffineQuantizer
 
     def key(_: int) -> TileQuantizer:
-        return AffineQuantizer(AffineConfig(k_bits, "channel", rk, use_varn, tile=tile, scale_dtype=scale_dtype,
-                                            col_scale_dtype=col))
+        return key_cls(AffineConfig(k_bits, "channel", rk, use_varn, tile=tile, scale_dtype=scale_dtype,
+                                    col_scale_dtype=col))
 
     def value(_: int) -> TileQuantizer:
         return AffineQuantizer(AffineConfig(v_bits, "token", rv, use_varn, tile=tile, scale_dtype=scale_dtype,
@@ -56,7 +65,11 @@ def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | 
     params = {"tile": tile, "scale_dtype": str(scale_dtype).removeprefix("torch.")}
     if scale_dtype != torch.float16:
         desc += f" ({params['scale_dtype']} scales" + (", fp16 zero points)" if scale_dtype.itemsize == 1 else ")")
-    return Preset(name=name or f"{family}-k{k_bits}v{v_bits}-g{tile}", description=desc, key=key, value=value,
+    suffix = ""
+    if rounding != "nearest":
+        params["rounding"], suffix = rounding, "-qar"
+        desc += "; keys rounded query-aware (e^T Sigma_q e with the running E[q q^T])"
+    return Preset(name=name or f"{family}-k{k_bits}v{v_bits}-g{tile}{suffix}", description=desc, key=key, value=value,
                   policy=CachePolicy(tile=tile), family=family, k_bits=k_bits, v_bits=v_bits, params=params)
 
 
@@ -66,19 +79,21 @@ BUDGET_HEAD_DIM = 128  # budgets are named at head_dim 128; smaller heads pay mo
 
 def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str | None = None,
                   high: int = 4, mid: int | None = 3, pick: str = "rank",
-                  scale_dtype: torch.dtype = torch.float16) -> Preset:
+                  scale_dtype: torch.dtype = torch.float16, rounding: str = "nearest") -> Preset:
     """`kvarn-b{bits}`: kvarn-auto k2v2 with the keys of a share of the layers at `high` (3 or 4) bits, the share the
     largest that keeps (k_low + share (k_high - k_low) + v) / 2 <= bits at head_dim 128 (stored bytes, scales
     included); what rounding that share down to whole layers leaves buys layers at `mid` bits (None: unspent).
     pick "best": the same key bits split between `high` and `mid` layers per request by the layers' gains at both
     widths (`kvarn.cache.allocation.best_split`) instead of `high` first. scale_dtype: the row scales' dtype
-    (float8_e4m3fn: the bits the scales save buy more promoted layers)."""
+    (float8_e4m3fn: the bits the scales save buy more promoted layers). rounding "query-aware": every key width
+    rounds query-aware (name + "-qar"; the layers' trial encodes that score the promotion round to nearest)."""
     if high not in (3, 4) or (mid is not None and not 2 < mid < high):
         raise ValueError(f"budget presets promote keys to 3 or 4 bits, spending the rest on fewer bits; got high "
                          f"{high}, mid {mid}")
     if pick not in ("rank", "best") or (pick == "best" and mid is None):
         raise ValueError(f"pick must be 'rank' or 'best' (which needs a mid width), got {pick!r} with mid {mid}")
-    low, top = (affine_preset("kvarn-auto", kb, 2, tile, scale_dtype=scale_dtype) for kb in (2, high))
+    low, top = (affine_preset("kvarn-auto", kb, 2, tile, scale_dtype=scale_dtype, rounding=rounding)
+                for kb in (2, high))
     d = BUDGET_HEAD_DIM
     k_lo, v = (q.bits_per_element(d) for q in low.quantizers(d))
     k_hi = top.quantizers(d)[0].bits_per_element(d)
@@ -95,10 +110,13 @@ def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str 
     if pick != "rank":
         params["pick"] = pick
         desc += f", the split between {high}- and {mid}-bit layers chosen per request by their gains at both"
-    return dataclasses.replace(low, name=name or f"kvarn-b{bits}", description=desc, family="kvarn-budget",
+    if rounding != "nearest":
+        desc += "; keys rounded query-aware"
+    suffix = "-qar" if rounding != "nearest" else ""
+    return dataclasses.replace(low, name=name or f"kvarn-b{bits}{suffix}", description=desc, family="kvarn-budget",
                                key_high=top.key, promote=share, k_bits=round(2 + (high - 2) * share, 4),
-                               key_mid=None if mid is None else affine_preset("kvarn-auto", mid, 2, tile,
-                                                                              scale_dtype=scale_dtype).key,
+                               key_mid=None if mid is None else affine_preset(
+                                   "kvarn-auto", mid, 2, tile, scale_dtype=scale_dtype, rounding=rounding).key,
                                params=params, version=3 if pick == "best" else 2 if mid is not None else 1)
 
 
@@ -117,8 +135,13 @@ def _entries() -> tuple[Entry, ...]:
         name = f"kvarn-k{kb}v{vb}-g128-fp8"
         out.append((name, lambda kb=kb, vb=vb, n=name: affine_preset("kvarn", kb, vb, 128, n, torch.float8_e4m3fn),
                     ()))
+    for kb, vb in BIT_PAIRS:  # kvarn-auto with query-aware keys (issue 20)
+        for g in TILES:
+            out.append((f"kvarn-auto-k{kb}v{vb}-g{g}-qar",
+                        lambda kb=kb, vb=vb, g=g: affine_preset("kvarn-auto", kb, vb, g, rounding="query-aware"), ()))
     for b in BUDGETS:
         out.append((f"kvarn-b{b}", lambda b=b: budget_preset(b, pick="best"), ()))
+        out.append((f"kvarn-b{b}-qar", lambda b=b: budget_preset(b, pick="best", rounding="query-aware"), ()))
     out.append(("fp16", lambda: Preset("fp16", "no quantization (the reference)", None, None, family="fp16"), ()))
     return tuple(out)
 

@@ -226,3 +226,39 @@ def test_store_feeds_the_covariance() -> None:
     assert seen == [(2 * 2 * 1, D, D)]  # sink 128, then one tile per (row, head)
     assert st.keys.n_tiles == 1
     assert st.nbytes().policy == 2 * 2 * D * D * 4
+
+
+@pytest.mark.parametrize("name", ["kvarn-auto-k2v2-g64-qar", "kvarn-b3.0-qar"])
+def test_registered_presets_in_a_model(name: str, tmp_path, monkeypatch: pytest.MonkeyPatch, seed) -> None:
+    """The registered query-aware presets in a 2-layer model: packed reads match reference reads (1e-3 relative, as
+    tests/integrations/test_transformers.py), the fused store stores the PyTorch store's key tiles bit for bit, and a
+    saved cache restores E[q q^T] bit for bit and continues as the original."""
+    from kvarn.integrations.serialize import load_cache, save_cache
+    from kvarn.integrations.transformers import KVarNCache
+    from tests.helpers import close, forward_steps, make_tiny_model
+
+    model = make_tiny_model("llama", head_dim=64)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (1, 158), generator=gen)
+    preset = get_preset(name)
+    assert preset.params["rounding"] == "query-aware" and name.endswith("-qar")
+    ref = forward_steps(model, ids, KVarNCache(model.config, preset, sink=8, attention="reference"), [150, 5, 1])
+    cache = KVarNCache(model.config, preset, sink=8)
+    got = forward_steps(model, ids, cache, [150, 5, 1])
+    assert close(got, ref, rel=1e-3), f"max diff {(got - ref).abs().max()}"
+    monkeypatch.setenv("KVARN_KERNEL", "torch")
+    slow = KVarNCache(model.config, preset, sink=8)
+    forward_steps(model, ids, slow, [150, 5, 1])
+    monkeypatch.delenv("KVARN_KERNEL")
+    for a, b in zip(cache.layers, slow.layers, strict=True):
+        assert a.store.keys.n_tiles >= 1
+        ta, tb = a.store.keys.packed.tensors(), b.store.keys.packed.tensors()
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    sigma = [layer.store.queries.covariance() for layer in cache.layers]
+    assert all(s is not None and s.shape[-2:] == (64, 64) for s in sigma)
+    save_cache(cache, tmp_path / "c.safetensors")
+    back = load_cache(tmp_path / "c.safetensors", model.config, preset=preset)
+    for s, b in zip(sigma, [layer.store.queries.covariance() for layer in back.layers], strict=True):
+        assert torch.equal(s, b)
+    more = ids[:, 156:]
+    assert torch.equal(forward_steps(model, more, cache, [1, 1]), forward_steps(model, more, back, [1, 1]))

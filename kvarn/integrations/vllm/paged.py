@@ -49,6 +49,9 @@ kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or pla
   * store: key tiles are encoded with that mean as the policy's weight (one row per tile, by KV head; values by
     plain squared error, as in the transformers cache), in the same single encode call for all completed blocks,
     served by the fused C++ store kernel (`kvarn::tile_store`, both bases per tile, no Python per block);
+  * `-qar` presets (keys rounded query-aware, `QueryAwareQuantizer`): the layer keeps the running E[q q^T] per KV head
+    instead (`QueryCovariance`, [1, H, D, D], pooled the same way; its diagonal is the energy above), and the store
+    hands it to the key encode, one copy per tile (the C++ store kernel rounds with it; on CUDA the PyTorch encode);
   * the per-tile `rotated` flag is a packed field of the page (`layout`), so vLLM's capacity report counts it, and
     both read paths honour it: the kernel reads it through `PackedTiles.pool` as the transformers cache's fused
     decode does (queries rotated for rotated key tiles, rotated value accumulators rotated back once), PyTorch
@@ -70,7 +73,7 @@ from kvarn.cache.store import fits_dtype
 from kvarn.integrations.vllm.pool import LayerPool, RequestPlan, StepPlan
 from kvarn.ops import dispatch
 from kvarn.ops.decode import indexed_rows
-from kvarn.quant.policy import kernel_weighted
+from kvarn.quant.policy import QueryCovariance, kernel_weighted
 from kvarn.quant.tiles import Tiles
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
@@ -138,18 +141,24 @@ def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
         return
     t, hq, d = query.shape
     h = pool.geo.num_kv_heads
+    outer = isinstance(e, QueryCovariance)  # query-aware keys: sums of q q^T [H, D, D], not of q_d^2
     total, kept = None, 0
     for c0 in range(0, t, OBSERVE_CHUNK):  # small float temporaries: a whole prompt step at once took ~8x the CPU
-        sq = query[c0:c0 + OBSERVE_CHUNK].float().square().flatten(1)  # [c, Hq * D]
+        qc = query[c0:c0 + OBSERVE_CHUNK].float()  # [c, Hq, D]
+        sq = qc.square().flatten(1)  # [c, Hq * D]
         s = sq.sum(0)
         if not bool(torch.isfinite(s).all()):
             # the mean is the engine's, for good: tokens with a non-finite query (or square) are left out
-            sq = sq[torch.isfinite(sq).all(1)]
+            ok = torch.isfinite(sq).all(1)
+            qc, sq = qc[ok], sq[ok]
             s = sq.sum(0)
         kept += sq.shape[0]
+        if outer:  # heads of a group and positions pooled per KV head: [H, c * Hq/H, D] -> [H, D, D]
+            g = qc.view(-1, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
+            s = g.transpose(1, 2) @ g
         total = s if total is None else total + s
     if kept:  # heads of a group and positions pooled
-        e.accumulate(total.view(h, hq // h, d).sum(1)[None], kept * (hq // h))
+        e.accumulate(total[None] if outer else total.view(h, hq // h, d).sum(1)[None], kept * (hq // h))
 
 
 def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
@@ -223,8 +232,10 @@ def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list
     packs = []
     # rotate="auto" keys: each tile's rotation chosen with its KV head's running query energy (one row per tile, in
     # the flattened (block, head) order); values choose by plain squared error, as in the transformers cache
-    w = pool.queries.weight() if pool.queries is not None else None  # [1, H, D]
-    kw = None if w is None else w.expand(n, h, w.shape[-1]).reshape(n * h, -1)
+    # (query-aware keys: E[q q^T] [1, H, D, D] instead, one copy per tile: `QueryAwareQuantizer`)
+    e = pool.queries
+    w = None if e is None else e.covariance() if isinstance(e, QueryCovariance) else e.weight()  # [1, H, D(, D)]
+    kw = None if w is None else w.expand(n, h, *w.shape[2:]).reshape(n * h, *w.shape[2:])
     idx = torch.tensor(blocks, dtype=torch.long, device=k.device)
     if decode_kernel(k.device) == "triton" and _triton_store(pool):
         return _store_triton(pool, k, v, kw, idx)
@@ -254,7 +265,8 @@ def _triton_store(pool: LayerPool) -> bool:
         from kvarn.kernels.triton import ops
 
         lay = pool.layout
-        why = triton_unsupported(pool) or ops.store_unsupported(lay.formats["keys"]) or ops.store_unsupported(
+        qar = "query-aware key rounding" if getattr(lay.key_q, "takes_covariance", False) else None
+        why = triton_unsupported(pool) or qar or ops.store_unsupported(lay.formats["keys"]) or ops.store_unsupported(
             lay.formats["values"])
         pool.triton_store = why is None
         if why is not None:

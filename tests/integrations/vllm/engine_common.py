@@ -9,6 +9,7 @@ Every vLLM engine start costs about a minute on 2 cores, so each configuration r
     no-plugin  VLLM_PLUGINS="" (no plugin loaded at all); no-plugin-again: the same, a second time
     auto       the default preset kvarn-auto-k2v2-g128 (`AUTO`), the same job as stock: greedy tokens, KV capacity,
                generate time (test_engine_auto.py)
+    auto-qar   the same with query-aware keys (`AUTO_QAR`; a slow test of test_engine_auto.py)
     (k4v2 runs as the OpenAI server, `start_server` through the session fixture `server` of conftest.py, shared by
     test_engine_server.py and test_engine_load.py; the TP runs on a tiny model, test_engine_tp.py)
 
@@ -38,6 +39,7 @@ import pytest
 
 PRESET = "kvarn-k4v2-g128"
 AUTO = "kvarn-auto-k2v2-g128"  # kvarn's default preset
+AUTO_QAR = AUTO + "-qar"  # its keys rounded query-aware (issue 20)
 MAX_NEW = 32
 LENGTHS = (150, 300, 400, 520)  # prompt tokens: the first stays within sink + one block, the others cross blocks
 KV_GIB = 1
@@ -140,8 +142,8 @@ def engine(name: str) -> Run:
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()}, {"VLLM_PLUGINS": ""})
         elif name == "stock":
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()})
-        elif name == "auto":
-            _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs(kvarn(AUTO))})
+        elif name in ("auto", "auto-qar"):
+            _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs(kvarn(AUTO if name == "auto" else AUTO_QAR))})
         else:
             raise KeyError(name)
     return _RUNS[name]

@@ -18,6 +18,7 @@ import pytest
 
 from .engine_common import (  # skips this module where vLLM is not installed
     AUTO,
+    AUTO_QAR,
     KV_GIB,
     LENGTHS,
     MAX_NEW,
@@ -50,6 +51,23 @@ def test_auto_preset_agrees_with_transformers_cache() -> None:
     record("top1_agreement_transformers_vs_vllm", {"stock": round(hf_stock, 4), AUTO: round(hf_auto, 4)})
     record("free_running_same_position_vs_stock_vllm", {AUTO: round(agreement(toks, stock), 4)})
     assert hf_auto >= MIN_AGREEMENT, (hf_auto, hf_stock)
+
+
+@pytest.mark.slow
+def test_query_aware_preset_agrees_with_transformers_cache() -> None:
+    """kvarn-auto-k2v2-g128-qar (keys rounded with the running E[q q^T]: the engine's per layer, the transformers
+    cache's per sequence): the same teacher-forced agreement as the default preset, its capacity the default's (the
+    same page bytes). Slow: one more engine start (`make test-slow` with the vLLM venv, or -m slow)."""
+    run = engine("auto-qar")
+    assert f"kvarn: preset {AUTO_QAR}" in run.log
+    toks = run.out["tokens"]
+    seqs = [p + t for p, t in zip(prompts(), toks)]
+    hf = agreement(transformers_top1(seqs, AUTO_QAR), toks)
+    stock = engine("stock").out["tokens"]
+    record("top1_agreement_transformers_vs_vllm", {AUTO_QAR: round(hf, 4)})
+    record("free_running_same_position_vs_stock_vllm", {AUTO_QAR: round(agreement(toks, stock), 4)})
+    assert capacity(run.log) == capacity(engine("auto").log)
+    assert hf >= MIN_AGREEMENT, hf
 
 
 def test_auto_capacity_is_the_layouts() -> None:

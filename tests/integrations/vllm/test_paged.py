@@ -46,8 +46,8 @@ class Engine:
     """Blocks handed out like vLLM's pool (free list, shared prefix blocks), one layer, float32."""
 
     def __init__(self, preset_bits=(4, 2), sink_blocks: int = 1, num_blocks: int = 64, e_index: int = 5,
-                 family: str = "kvarn") -> None:
-        preset = affine_preset(family, *preset_bits, G)
+                 family: str = "kvarn", rounding: str = "nearest") -> None:
+        preset = affine_preset(family, *preset_bits, G, rounding=rounding)
         self.lay = TileLayout(preset, D, torch.float32)
         geo = PageGeometry(self.lay, H, self.lay.share_choices()[e_index])
         self.kv = torch.zeros(num_blocks, H, G, geo.c, dtype=torch.uint8)
@@ -62,8 +62,11 @@ class Engine:
         # kvarn-auto: the oracle's running q^2 per KV head (float64, every request pooled) and, per stored key tile, the
         # mean up to and including the step that completed it: the weight the oracle encodes that tile with
         self.q_scale: torch.Tensor | None = None  # [HQ, D] multiplies the stand-in's queries (channel energies)
+        self.q_mix: torch.Tensor | None = None  # [D, D] mixes their channels (correlated queries: -qar presets)
         self.energy, self.energy_count = torch.zeros(H, D, dtype=torch.float64), 0
+        self.cov = torch.zeros(H, D, D, dtype=torch.float64)  # -qar: the running sum of q q^T per KV head
         self.tile_weight: dict[tuple[str, int], torch.Tensor] = {}
+        self.tile_cov: dict[tuple[str, int], torch.Tensor] = {}
         self.stale_weight: dict[tuple[str, int], torch.Tensor | None] = {}  # the mean before that step (for a check)
 
     def add(self, rid: str, shared_from: tuple[str, int] | None = None) -> None:
@@ -72,7 +75,7 @@ class Engine:
         if shared_from is not None:  # a prefix-cache hit: the first n complete blocks of another request
             src, n = shared_from
             self.blocks[rid] = list(self.blocks[src][:n])
-            for seen in (self.tile_weight, self.stale_weight):  # the shared tiles as their writer stored them
+            for seen in (self.tile_weight, self.stale_weight, self.tile_cov):  # shared tiles as their writer made them
                 seen.update({(rid, j): seen[(src, j)] for j in range(n) if (src, j) in seen})
             k, v, q = self.hist[src]
             empty = (k[:n * G], v[:n * G], q[:n * G])
@@ -99,6 +102,8 @@ class Engine:
             q = torch.randn(t, HQ, D, generator=gen)
             if self.q_scale is not None:
                 q = q * self.q_scale
+            if self.q_mix is not None:
+                q = q @ self.q_mix
             self.hist[rid] = (torch.cat([k_old, k]), torch.cat([v_old, v]), torch.cat([q_old, q]))
             rows.append((at, at + t))
             at += t
@@ -113,9 +118,12 @@ class Engine:
         stale = (self.energy / self.energy_count).float() if self.energy_count else None
         self.energy += query.double().square().view(-1, H, HQ // H, D).sum((0, 2))
         self.energy_count += query.shape[0] * (HQ // H)
+        grouped = query.double().view(-1, H, HQ // H, D).transpose(0, 1).reshape(H, -1, D)
+        self.cov += grouped.transpose(1, 2) @ grouped
         for rid, nc, n in zip(work, computed, lengths):  # key tiles this step completes: weighed with this step's mean
             for j in range(nc // G, n // G):
                 self.tile_weight[(rid, j)] = (self.energy / self.energy_count).float()
+                self.tile_cov[(rid, j)] = (self.cov / self.energy_count).float()
                 self.stale_weight[(rid, j)] = stale
         out = torch.zeros_like(query)
         paged.observe_queries(self.pool, query)  # as the backend's forward: before the step's tiles are stored
@@ -132,6 +140,8 @@ class Engine:
             sl = slice(j * G, (j + 1) * G)
             for full, dq, quant in ((k, kd, self.lay.key_q), (v, vd, self.lay.value_q)):
                 w = self.tile_weight[(rid, j)] if quant.takes_weight and quant is self.lay.key_q else None
+                if getattr(quant, "takes_covariance", False):
+                    w = self.tile_cov[(rid, j)]
                 dq[sl] = quant.decode(quant.encode(full[sl].transpose(0, 1).float(), w)).double().transpose(0, 1)
         out = torch.zeros(t - first, HQ, D, dtype=torch.float64)
         for p in range(first, t):
@@ -615,6 +625,38 @@ def test_auto_flags_live_in_the_accounted_page_bytes(name: str) -> None:
         fields = pool.key_fields if f.kind == "keys" else pool.value_fields
         assert torch.equal(runs[:, :, f.offset], fields.rotated)
     assert not kv[[0, 2]].any() and not runs[[1, 3], :, lay.tile * lay.c0:].any()  # only the blocks' packed parts
+
+
+def test_query_aware_keys_match_oracle_with_running_covariance(read_path) -> None:
+    """kvarn-auto-k2v2 with query-aware keys (`-qar`) over mixed steps with a prefix-cache hit: the layer keeps the
+    engine's running E[q q^T] per KV head (every query of every step, GQA heads pooled; float64 oracle to 1e-5), each
+    key tile is rounded with the matrix as of the step that completes it (its codes equal the oracle encode's), and the
+    outputs match the float64 oracle (1e-4). The queries are correlated across channels, so the codes differ from
+    those of the diagonal weight alone on some tiles (asserted): a backend that kept only the energy would fail."""
+    eng = Engine(preset_bits=(2, 2), sink_blocks=1, family="kvarn-auto", rounding="query-aware")
+    gen = torch.Generator().manual_seed(31)
+    eng.q_mix = torch.eye(D) + torch.randn(D, 2, generator=gen) @ torch.randn(2, D, generator=gen)
+    for rid in "acd":
+        eng.add(rid)
+    _check(eng, eng.step({"a": 40, "c": 15}, gen))
+    eng.add("b", shared_from=("a", 2))
+    _check(eng, eng.step({"a": 1, "c": 1, "b": 5, "d": 20}, gen))
+    _check(eng, eng.step({"a": 30, "b": 12, "c": 1, "d": 1}, gen))
+    for _ in range(2):
+        _check(eng, eng.step({"a": 1, "b": 1, "c": 1, "d": 1}, gen))
+    kq, moved = eng.lay.key_q, 0
+    for rid in "abcd":
+        t = eng.hist[rid][0].shape[0]
+        for j in range(eng.sink_blocks, t // G):
+            x = eng.hist[rid][0][j * G:(j + 1) * G].transpose(0, 1)
+            block = torch.tensor([eng.blocks[rid][j]])
+            stored = eng.pool.key_fields.select(block).flatten(2).codes  # [H, ...]
+            assert torch.equal(stored, kq.encode(x, eng.tile_cov[(rid, j)]).codes), (rid, j)
+            moved += int(not torch.equal(stored, kq.encode(x, eng.tile_weight[(rid, j)]).codes))
+    assert moved, "the test would not see the covariance dropped"
+    e = eng.pool.queries
+    assert e.count == eng.energy_count
+    torch.testing.assert_close(e.covariance()[0].double(), eng.cov / eng.energy_count, rtol=1e-5, atol=1e-6)
 
 
 def test_auto_query_statistics_skip_non_finite_queries() -> None:
