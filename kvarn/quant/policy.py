@@ -113,9 +113,9 @@ class QueryEnergy:
         b, hq, t, d = q.shape
         if kv_heads < 1 or hq % kv_heads:
             raise ValueError(f"{hq} query heads do not split into {kv_heads} KV heads")
-        if self.sum is not None and self.sum.shape[:3] != (b, kv_heads, d):
-            raise ValueError(f"queries of shape {tuple(q.shape)} do not match the running statistics "
-                             f"[B, Hk, D, ...] = {tuple(self.sum.shape)}")
+        if self.sum is not None and self.sum.shape != self._shape(b, kv_heads, d):
+            raise ValueError(f"queries of shape {tuple(q.shape)} do not match the running statistics of shape "
+                             f"{tuple(self.sum.shape)}")
         w = q.detach() if q.dtype == torch.float64 else q.detach().float()
         self.accumulate(self._moments(w.reshape(b, kv_heads, hq // kv_heads * t, d)), hq // kv_heads * t)
 
@@ -123,6 +123,10 @@ class QueryEnergy:
     def _moments(w: torch.Tensor) -> torch.Tensor:
         """Queries pooled per KV head [B, Hk, n, D] -> their summed squares [B, Hk, D]."""
         return w.square().sum(dim=2)
+
+    @staticmethod
+    def _shape(b: int, kv_heads: int, d: int) -> tuple[int, ...]:
+        return b, kv_heads, d
 
     def accumulate(self, squares: torch.Tensor, count: int) -> None:
         """Add sums of squared queries already pooled per KV head, [B, Hk, D], over `count` (head, position) pairs:
@@ -142,20 +146,49 @@ class QueryEnergy:
 
 
 class QueryCovariance(QueryEnergy):
-    """Running second moment E[q q^T] for each batch row and KV head, [B, Hk, D, D]: what query-aware rounding
-    (`kvarn.quant.affine.QueryAwareQuantizer`, a lab variant) weighs a key token's error with, e^T Sigma e.
+    """Running second moment E[q q^T] for each batch row and KV head: what query-aware rounding
+    (`kvarn.quant.affine.QueryAwareQuantizer`, the `-qar` presets) weighs a key token's error with, e^T Sigma e.
 
     Pooled as `QueryEnergy` (the query heads of a GQA group and the positions); `weight()` is its diagonal, the
     query energy [B, Hk, D] (the rotation policy and the budget allocation read that), `covariance()` the full
-    matrix, or None before the first update. Accumulated in float32 (float64 stays float64)."""
+    matrix [B, Hk, D, D], or None before the first update. Held as the upper triangle, row by row (`pack`):
+    `sum` [B, Hk, D (D + 1) / 2], half the bytes of the matrix. Accumulated in float32 (float64 stays float64)."""
 
     @staticmethod
-    def _moments(w: torch.Tensor) -> torch.Tensor:
-        """Queries pooled per KV head [B, Hk, n, D] -> their summed outer products [B, Hk, D, D]."""
-        return w.transpose(-1, -2) @ w
+    def _triangle(d: int, device: torch.device) -> torch.Tensor:
+        """[2, D (D + 1) / 2]: the (row, column) of each packed entry, rows in order, column >= row."""
+        return torch.triu_indices(d, d, device=device)
+
+    @classmethod
+    def pack(cls, full: torch.Tensor) -> torch.Tensor:
+        """Symmetric [..., D, D] -> its upper triangle [..., D (D + 1) / 2]."""
+        r, c = cls._triangle(full.shape[-1], full.device)
+        return full[..., r, c]
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> torch.Tensor:
+        """[..., D (D + 1) / 2] -> the symmetric matrix [..., D, D]."""
+        d = int(((8 * packed.shape[-1] + 1) ** 0.5 - 1) / 2)
+        r, c = cls._triangle(d, packed.device)
+        full = packed.new_zeros(*packed.shape[:-1], d, d)
+        full[..., r, c] = packed
+        full[..., c, r] = packed
+        return full
+
+    @classmethod
+    def _moments(cls, w: torch.Tensor) -> torch.Tensor:
+        """Queries pooled per KV head [B, Hk, n, D] -> their summed outer products, packed [B, Hk, D (D + 1) / 2]."""
+        return cls.pack(w.transpose(-1, -2) @ w)
+
+    @staticmethod
+    def _shape(b: int, kv_heads: int, d: int) -> tuple[int, ...]:
+        return b, kv_heads, d * (d + 1) // 2
 
     def weight(self) -> torch.Tensor | None:
-        return None if self.sum is None else self.sum.diagonal(dim1=-2, dim2=-1) / self.count
+        if self.sum is None:
+            return None
+        r, c = self._triangle(int(((8 * self.sum.shape[-1] + 1) ** 0.5 - 1) / 2), self.sum.device)
+        return self.sum[..., r == c] / self.count
 
     def covariance(self) -> torch.Tensor | None:
-        return None if self.sum is None else self.sum / self.count
+        return None if self.sum is None else self.unpack(self.sum) / self.count

@@ -199,6 +199,11 @@ def test_query_covariance_statistics() -> None:
     torch.testing.assert_close(c.weight(), e.weight())
     g = q.double().reshape(2, 2, 27, D)
     torch.testing.assert_close(c.covariance().double(), g.transpose(-1, -2) @ g / 27, rtol=1e-5, atol=1e-6)
+    assert c.sum.shape == (2, 2, D * (D + 1) // 2)  # held as the upper triangle
+    torch.testing.assert_close(QueryCovariance.unpack(QueryCovariance.pack(c.covariance())), c.covariance(), rtol=0,
+                               atol=0)
+    with pytest.raises(ValueError, match="do not match"):
+        c.update(torch.randn(2, 6, 1, D // 2), 2)
     c.index_batch(torch.tensor([1, 1, 0]))
     assert c.covariance().shape == (3, 2, D, D)
     assert QueryCovariance().covariance() is None
@@ -225,7 +230,7 @@ def test_store_feeds_the_covariance() -> None:
         st.observe_queries(torch.randn(2, 14, 2 * G + 3, D))
     assert seen == [(2 * 2 * 1, D, D)]  # sink 128, then one tile per (row, head)
     assert st.keys.n_tiles == 1
-    assert st.nbytes().policy == 2 * 2 * D * D * 4
+    assert st.nbytes().policy == 2 * 2 * D * (D + 1) // 2 * 4  # the upper triangle, float32
 
 
 @pytest.mark.parametrize("name", ["kvarn-auto-k2v2-g64-qar", "kvarn-b3.0-qar"])

@@ -49,9 +49,10 @@ kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or pla
   * store: key tiles are encoded with that mean as the policy's weight (one row per tile, by KV head; values by
     plain squared error, as in the transformers cache), in the same single encode call for all completed blocks,
     served by the fused C++ store kernel (`kvarn::tile_store`, both bases per tile, no Python per block);
-  * `-qar` presets (keys rounded query-aware, `QueryAwareQuantizer`): the layer keeps the running E[q q^T] per KV head
-    instead (`QueryCovariance`, [1, H, D, D], pooled the same way; its diagonal is the energy above), and the store
-    hands it to the key encode, one copy per tile (the C++ store kernel rounds with it; on CUDA the PyTorch encode);
+  * `-qar` presets (keys rounded query-aware, `QueryAwareQuantizer`): the layer keeps the running E[q q^T] per KV
+    head instead (`QueryCovariance`, held as its upper triangle, pooled the same way; its diagonal is the energy
+    above), and the store hands it to the key encode, one copy per tile (the C++ store kernel rounds with it; on
+    CUDA the PyTorch encode);
   * the per-tile `rotated` flag is a packed field of the page (`layout`), so vLLM's capacity report counts it, and
     both read paths honour it: the kernel reads it through `PackedTiles.pool` as the transformers cache's fused
     decode does (queries rotated for rotated key tiles, rotated value accumulators rotated back once), PyTorch
@@ -153,9 +154,9 @@ def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
             qc, sq = qc[ok], sq[ok]
             s = sq.sum(0)
         kept += sq.shape[0]
-        if outer:  # heads of a group and positions pooled per KV head: [H, c * Hq/H, D] -> [H, D, D]
+        if outer:  # heads of a group and positions pooled per KV head: [H, c * Hq/H, D] -> q q^T summed
             g = qc.view(-1, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
-            s = g.transpose(1, 2) @ g
+            s = QueryCovariance.pack(g.transpose(1, 2) @ g)  # [H, D (D + 1) / 2]
         total = s if total is None else total + s
     if kept:  # heads of a group and positions pooled
         e.accumulate(total[None] if outer else total.view(h, hq // h, d).sum(1)[None], kept * (hq // h))

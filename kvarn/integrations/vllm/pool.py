@@ -259,7 +259,7 @@ class LayerPool:
                      if self.rows_per_block else None)
         # rotate="auto" keys: the layer's running query energy, [1, H, D] float32 sums + count, for the whole engine
         # (all requests pooled; `paged.observe_queries`); kept across pools of the same layer when given
-        # (query-aware keys, `-qar` presets: the running E[q q^T], [1, H, D, D], `QueryCovariance`)
+        # (query-aware keys, `-qar` presets: the running E[q q^T] per KV head, `QueryCovariance`)
         fresh = QueryCovariance if getattr(lay.key_q, "takes_covariance", False) else QueryEnergy
         self.queries = (queries if queries is not None else fresh()) if lay.key_q.takes_weight else None
         self.triton_store: bool | None = None  # CUDA: whether the Triton store kernel writes its tiles (`paged`)
