@@ -49,20 +49,22 @@ def query_aware_coefficients(sigma: torch.Tensor, damp: float = 0.01) -> torch.T
     """The rounding coefficients of `query_aware_round` for second moments Sigma [N, R, R] of the queries (in the
     basis the rows are stored in), float32 [N, R, R]: C_rj = U_rj / U_rr, U upper with U^T U = Sigma'^-1,
         Sigma' = Sigma + damp mean(diag Sigma) I        (an all-zero Sigma, no query yet: a multiple of I)
-    in float64, each distinct matrix once (a cache hands one copy per tile of a KV head). A diagonal Sigma gives the
-    identity: nearest rounding. Where Sigma' is not positive definite in floating point, ten times the damping."""
+    in float64. U = V^-1 for V upper with V V^T = Sigma' (V = J L J, L the lower Cholesky factor of J Sigma' J, J the
+    reversal): one factorisation and one triangular solve. Runs of equal matrices (a cache hands one copy per tile
+    of a KV head, tiles of a head next to each other) are factorised once. A diagonal Sigma gives the identity:
+    nearest rounding. Where Sigma' is not positive definite in floating point, ten times the damping."""
     n, r, _ = sigma.shape
-    uniq, inverse = torch.unique(sigma.reshape(n, -1), dim=0, return_inverse=True)
+    uniq, inverse = torch.unique_consecutive(sigma.reshape(n, -1), dim=0, return_inverse=True)
     h = uniq.view(-1, r, r).double()
     h = (h + h.transpose(-1, -2)) / 2
     eye = torch.eye(r, dtype=h.dtype, device=h.device)
     mean = h.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
-    # U upper with U^T U = H^-1 (torch.linalg.cholesky(upper=True) gives U with U^H U = A)
-    up, info = torch.linalg.cholesky_ex(torch.linalg.inv(h + (damp * mean)[:, None, None] * eye), upper=True)
+    flip = (h + (damp * mean)[:, None, None] * eye).flip(-1, -2)  # J Sigma' J
+    low, info = torch.linalg.cholesky_ex(flip)
     bad = info != 0
     if bool(bad.any()):
-        hb = h[bad] + (10 * damp * mean[bad])[:, None, None] * eye
-        up[bad] = torch.linalg.cholesky(torch.linalg.inv(hb), upper=True)
+        low[bad] = torch.linalg.cholesky((h[bad] + (10 * damp * mean[bad])[:, None, None] * eye).flip(-1, -2))
+    up = torch.linalg.solve_triangular(low.flip(-1, -2), eye.expand_as(low), upper=True)  # V^-1
     coef = (up / up.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)).float()
     return coef[inverse]
 

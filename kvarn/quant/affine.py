@@ -319,13 +319,16 @@ class QueryAwareQuantizer(AffineQuantizer):
     def coefficients(self, sigma: torch.Tensor) -> torch.Tensor:
         """Sigma [N, D, D] (plain basis) -> the rounding coefficients [N, B, D, D] of each basis the configuration
         encodes (`query_aware_coefficients`): B = 2 under rotate="auto" (rotated, then plain), else 1."""
-        sigma = sigma.float()
+        n, d, _ = sigma.shape
         bases = []
-        if self.config.rotate != "none":
-            bases.append(hadamard_transform(hadamard_transform(sigma).transpose(-1, -2)))  # H Sigma H
+        if self.config.rotate != "none":  # H Sigma H (H symmetric), in float64
+            h = hadamard_dense(d, torch.float64, sigma.device)
+            bases.append(h @ sigma.double() @ h)
         if self.config.rotate != "hadamard":
-            bases.append(sigma)
-        return torch.stack([query_aware_coefficients(s, self.damp) for s in bases], dim=1)
+            bases.append(sigma.double())
+        # one factorisation call for every basis, basis-major so a head's tiles stay next to each other
+        coef = query_aware_coefficients(torch.cat(bases), self.damp)  # [B * N, D, D]
+        return coef.view(len(bases), n, d, d).transpose(0, 1).contiguous()
 
     @staticmethod
     def _split(weight: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -28,6 +28,7 @@ Policies share one signature: (x, x_rot, x_plain, weight) -> keep_rotation, with
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
@@ -154,22 +155,29 @@ class QueryCovariance(QueryEnergy):
     matrix [B, Hk, D, D], or None before the first update. Held as the upper triangle, row by row (`pack`):
     `sum` [B, Hk, D (D + 1) / 2], half the bytes of the matrix. Accumulated in float32 (float64 stays float64)."""
 
-    @staticmethod
-    def _triangle(d: int, device: torch.device) -> torch.Tensor:
-        """[2, D (D + 1) / 2]: the (row, column) of each packed entry, rows in order, column >= row."""
-        return torch.triu_indices(d, d, device=device)
+    _TRIANGLES: ClassVar[dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    @classmethod
+    def _triangle(cls, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([2, D (D + 1) / 2] the (row, column) of each packed entry, rows in order, column >= row; the same as flat
+        indices into D x D), cached per size and device: a decode step packs once per layer."""
+        key = (d, torch.device(device))
+        if key not in cls._TRIANGLES:
+            rc = torch.triu_indices(d, d, device=device)
+            cls._TRIANGLES[key] = rc, rc[0] * d + rc[1]
+        return cls._TRIANGLES[key]
 
     @classmethod
     def pack(cls, full: torch.Tensor) -> torch.Tensor:
         """Symmetric [..., D, D] -> its upper triangle [..., D (D + 1) / 2]."""
-        r, c = cls._triangle(full.shape[-1], full.device)
-        return full[..., r, c]
+        _, flat = cls._triangle(full.shape[-1], full.device)
+        return full.flatten(-2)[..., flat]
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> torch.Tensor:
         """[..., D (D + 1) / 2] -> the symmetric matrix [..., D, D]."""
         d = int(((8 * packed.shape[-1] + 1) ** 0.5 - 1) / 2)
-        r, c = cls._triangle(d, packed.device)
+        (r, c), _ = cls._triangle(d, packed.device)
         full = packed.new_zeros(*packed.shape[:-1], d, d)
         full[..., r, c] = packed
         full[..., c, r] = packed
@@ -187,7 +195,7 @@ class QueryCovariance(QueryEnergy):
     def weight(self) -> torch.Tensor | None:
         if self.sum is None:
             return None
-        r, c = self._triangle(int(((8 * self.sum.shape[-1] + 1) ** 0.5 - 1) / 2), self.sum.device)
+        (r, c), _ = self._triangle(int(((8 * self.sum.shape[-1] + 1) ** 0.5 - 1) / 2), self.sum.device)
         return self.sum[..., r == c] / self.count
 
     def covariance(self) -> torch.Tensor | None:

@@ -66,7 +66,7 @@ def test_diagonal_sigma_is_nearest_rounding(bits: int) -> None:
     assert torch.equal(qa_round(u, torch.zeros(6, D, D), step, bits), q)  # no query yet: the damping alone
 
 
-def test_coefficients_factorise_each_distinct_sigma_once() -> None:
+def test_coefficients_of_repeated_matrices() -> None:
     gen = torch.Generator().manual_seed(4)
     s = correlated_sigma(3, D, gen).float()
     many = s[torch.tensor([0, 1, 0, 2, 2, 1])]
