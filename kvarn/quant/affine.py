@@ -220,11 +220,16 @@ class AffineQuantizer(TileQuantizer):
         """The tile store seat (`torch.ops.kvarn.tile_store`: the fused kernel registered for x's device) on checked
         tiles x [N, G, D], given tensors and plain parameters only -> (tiles, input_finite, fields_finite) as
         `encode_tiles`. For tests and benches; `encode` takes it where it applies (`_kernel`)."""
+        return self._store_seat(x, weight)
+
+    def _store_seat(self, x: torch.Tensor, weight: torch.Tensor | None, coef: torch.Tensor | None = None
+                    ) -> tuple[AffineTiles, torch.Tensor, torch.Tensor]:
+        """The seat call of `encode_kernel`; coef: query-aware rounding's coefficients (`QueryAwareQuantizer`)."""
         c, fmt = self.config, self.format(x.shape[2])
         w = weight if c.rotate == "auto" and kernel_weighted(self.policy) else None
         codes, a, z, t, rot, finite_in, finite_out = STORE_SEAT(
             x, w, c.bits, c.axis == "channel", fmt.rotation, c.varn, c.varn_iters,
-            DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(fmt.col_dtype, 0), self._relative)
+            DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(fmt.col_dtype, 0), self._relative, coef)
         return AffineTiles(codes, a, z, t if c.varn else None, rot if c.rotate == "auto" else None,
                            fmt=fmt), finite_in, finite_out
 
@@ -340,15 +345,7 @@ class QueryAwareQuantizer(AffineQuantizer):
     def encode_kernel(self, x: torch.Tensor, weight: torch.Tensor | None = None
                       ) -> tuple[AffineTiles, torch.Tensor, torch.Tensor]:
         diag, sigma = self._split(weight)
-        if sigma is None:
-            return super().encode_kernel(x, diag)
-        c, fmt = self.config, self.format(x.shape[2])
-        w = diag.float() if c.rotate == "auto" and kernel_weighted(self.policy) else None
-        codes, a, z, t, rot, finite_in, finite_out = STORE_SEAT(
-            x, w, c.bits, True, fmt.rotation, c.varn, c.varn_iters, DTYPE_CODES[c.scale_dtype],
-            DTYPE_CODES.get(fmt.col_dtype, 0), self._relative, self.coefficients(sigma.to(x.device)))
-        return AffineTiles(codes, a, z, t if c.varn else None, rot if c.rotate == "auto" else None,
-                           fmt=fmt), finite_in, finite_out
+        return self._store_seat(x, diag, None if sigma is None else self.coefficients(sigma.to(x.device)))
 
     def _encode_rows_qa(self, x: torch.Tensor, fmt: AffineFormat, coef: torch.Tensor) -> AffineTiles:
         """`_encode_rows` with the codes rounded with coefficients coef [N, D, D]."""

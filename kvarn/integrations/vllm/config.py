@@ -6,8 +6,9 @@
 
 Keys of the "kvarn" mapping:
     preset       a kvarn preset of the affine family (kvarn-auto, the default kvarn-auto-k2v2-g128, with its rotation
-                 chosen per tile from running query statistics (`paged`); kvarn, rtn, hadamard, varn; k2v2/k4v2/k4v4;
-                 g128/g64): one vLLM block = one tile of G tokens
+                 chosen per tile from running query statistics (`paged`), and its `-qar` versions, keys rounded with
+                 the running E[q q^T]; kvarn, rtn, hadamard, varn; k2v2/k4v2/k4v4; g128/g64): one vLLM block = one
+                 tile of G tokens
     sink         tokens kept exact at the start of every sequence (default: the preset's, 128); a multiple of G
     fp_slots     full-precision blocks per layer for sinks and blocks being filled, carved from the KV budget
                  (default: sized from the budget, `layout.choose_pool`: (sink/G + 2) * max_num_seqs, what the running
