@@ -17,7 +17,7 @@ Reconstruction: X^[r, c] = (q[r, c] * a_r + z_r) * t_c, transposed back, then @ 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -259,13 +259,18 @@ class AffineQuantizer(TileQuantizer):
 
     def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
         """The PyTorch path of `encode` (the oracle of the kernel), for checked tiles x [N, G, D]."""
+        return self._encode_bases(x, weight, lambda rows, fmt, rotated: self._encode_rows(rows, fmt))
+
+    def _encode_bases(self, x: torch.Tensor, weight: torch.Tensor | None,
+                      encode_rows: Callable[[torch.Tensor, AffineFormat, bool], AffineTiles]) -> AffineTiles:
+        """`encode_reference` with the rows of each basis encoded by encode_rows(rows, fmt, rotated)."""
         w, fmt = x.float(), self.format(x.shape[2])
         if self.config.rotate == "none":
-            return self._encode_rows(self._to_rows(w), fmt)
-        rot = self._encode_rows(self._to_rows(hadamard_transform(w)), fmt)
+            return encode_rows(self._to_rows(w), fmt, False)
+        rot = encode_rows(self._to_rows(hadamard_transform(w)), fmt, True)
         if self.config.rotate == "hadamard":
             return rot
-        plain = self._encode_rows(self._to_rows(w), fmt)
+        plain = encode_rows(self._to_rows(w), fmt, False)
         x_rot = hadamard_transform(self._from_rows(self._decode_rows(rot)))
         x_plain = self._from_rows(self._decode_rows(plain))
         keep = self.policy(w, x_rot, x_plain, weight).to(x.device)
@@ -362,21 +367,11 @@ class QueryAwareQuantizer(AffineQuantizer):
         return self.encode_rounded(x, diag, self.coefficients(sigma.to(x.device)))
 
     def encode_rounded(self, x: torch.Tensor, diag: torch.Tensor | None, coef: torch.Tensor) -> AffineTiles:
-        """The reference given the coefficients [N, B, D, D] (`coefficients`) and the policy's weight diag [N, D]."""
-        w, fmt = x.float(), self.format(x.shape[2])
-        if self.config.rotate == "none":
-            return self._encode_rows_qa(self._to_rows(w), fmt, coef[:, 0])
-        rot = self._encode_rows_qa(self._to_rows(hadamard_transform(w)), fmt, coef[:, 0])
-        if self.config.rotate == "hadamard":
-            return rot
-        plain = self._encode_rows_qa(self._to_rows(w), fmt, coef[:, 1])
-        x_rot = hadamard_transform(self._from_rows(self._decode_rows(rot)))
-        x_plain = self._from_rows(self._decode_rows(plain))
-        keep = self.policy(w, x_rot, x_plain, diag).to(x.device)
-        other = plain.tensors()
-        chosen = rot.with_tensors({k: torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, other[k])
-                                   for k, v in rot.items()})
-        return dataclasses.replace(chosen, rotated=keep.to(torch.uint8))
+        """The reference given the coefficients [N, B, D, D] (`coefficients`: the rotated basis first) and the
+        policy's weight diag [N, D]."""
+        plain = 1 if self.config.rotate == "auto" else 0
+        return self._encode_bases(x, diag, lambda rows, fmt, rotated: self._encode_rows_qa(
+            rows, fmt, coef[:, 0 if rotated else plain]))
 
     def describe(self) -> Mapping[str, object]:
         return {**super().describe(), "rounding": "query-aware", "damp": self.damp}
