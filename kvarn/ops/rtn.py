@@ -52,18 +52,21 @@ def query_aware_coefficients(sigma: torch.Tensor, damp: float = 0.01) -> torch.T
     in float64. U = V^-1 for V upper with V V^T = Sigma' (V = J L J, L the lower Cholesky factor of J Sigma' J, J the
     reversal): one factorisation and one triangular solve. Runs of equal matrices (a cache hands one copy per tile
     of a KV head, tiles of a head next to each other) are factorised once. A diagonal Sigma gives the identity:
-    nearest rounding. Where Sigma' is not positive definite in floating point, ten times the damping."""
+    nearest rounding. Where Sigma' is not positive definite in floating point, ten times the damping; a Sigma that
+    holds a non-finite value, or is not positive definite even then, gives the identity (nearest rounding)."""
     n, r, _ = sigma.shape
     uniq, inverse = torch.unique_consecutive(sigma.reshape(n, -1), dim=0, return_inverse=True)
     h = uniq.view(-1, r, r).double()
-    h = (h + h.transpose(-1, -2)) / 2
     eye = torch.eye(r, dtype=h.dtype, device=h.device)
+    usable = torch.isfinite(h).flatten(1).all(1)
+    h = torch.where(usable[:, None, None], (h + h.transpose(-1, -2)) / 2, eye)
     mean = h.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
-    flip = (h + (damp * mean)[:, None, None] * eye).flip(-1, -2)  # J Sigma' J
-    low, info = torch.linalg.cholesky_ex(flip)
+    low, info = torch.linalg.cholesky_ex((h + (damp * mean)[:, None, None] * eye).flip(-1, -2))  # of J Sigma' J
     bad = info != 0
     if bool(bad.any()):
-        low[bad] = torch.linalg.cholesky((h[bad] + (10 * damp * mean[bad])[:, None, None] * eye).flip(-1, -2))
+        low[bad], info = torch.linalg.cholesky_ex((h[bad] + (10 * damp * mean[bad])[:, None, None] * eye).flip(-1, -2))
+        usable[bad.nonzero().squeeze(1)[info != 0]] = False
+        low[~usable] = eye
     up = torch.linalg.solve_triangular(low.flip(-1, -2), eye.expand_as(low), upper=True)  # V^-1
     coef = (up / up.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)).float()
     return coef[inverse]

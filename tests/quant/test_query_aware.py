@@ -76,6 +76,22 @@ def test_coefficients_of_repeated_matrices() -> None:
     assert torch.equal(c.tril(-1), torch.zeros(6, D, D))
 
 
+def test_non_finite_or_indefinite_sigma_rounds_to_nearest() -> None:
+    """A Sigma with NaN/inf (a model whose queries blew up) or one that stays indefinite under the damping gives the
+    identity coefficients, nearest rounding, never an error in the middle of a store; the others are unchanged."""
+    gen = torch.Generator().manual_seed(6)
+    good = correlated_sigma(1, D, gen)[0]
+    nan, inf = good.clone(), good.clone()
+    nan[3, 4] = float("nan")
+    inf[0, 0] = float("inf")
+    indefinite = -100 * torch.eye(D, dtype=torch.float64)  # negative definite: no damping makes it positive
+    c = query_aware_coefficients(torch.stack([good, nan, inf, indefinite, good]))
+    eye = torch.eye(D)
+    assert all(torch.equal(c[i], eye) for i in (1, 2, 3))
+    assert torch.equal(c[0], query_aware_coefficients(good[None])[0]) and torch.equal(c[4], c[0])
+    assert not torch.equal(c[0], eye)
+
+
 @pytest.mark.parametrize("bits", [2, 3])
 def test_equals_float64_obq_reference(bits: int) -> None:
     gen = torch.Generator().manual_seed(1)
