@@ -173,10 +173,15 @@ class QueryCovariance(QueryEnergy):
         _, flat = cls._triangle(full.shape[-1], full.device)
         return full.flatten(-2)[..., flat]
 
+    @staticmethod
+    def _dim(packed: torch.Tensor) -> int:
+        """D of a packed triangle [..., D (D + 1) / 2]."""
+        return round(((8 * packed.shape[-1] + 1) ** 0.5 - 1) / 2)
+
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> torch.Tensor:
         """[..., D (D + 1) / 2] -> the symmetric matrix [..., D, D]."""
-        d = int(((8 * packed.shape[-1] + 1) ** 0.5 - 1) / 2)
+        d = cls._dim(packed)
         (r, c), _ = cls._triangle(d, packed.device)
         full = packed.new_zeros(*packed.shape[:-1], d, d)
         full[..., r, c] = packed
@@ -195,7 +200,7 @@ class QueryCovariance(QueryEnergy):
     def weight(self) -> torch.Tensor | None:
         if self.sum is None:
             return None
-        (r, c), _ = self._triangle(int(((8 * self.sum.shape[-1] + 1) ** 0.5 - 1) / 2), self.sum.device)
+        (r, c), _ = self._triangle(self._dim(self.sum), self.sum.device)
         return self.sum[..., r == c] / self.count
 
     def covariance(self) -> torch.Tensor | None:
