@@ -59,7 +59,7 @@ from kvarn.cache.allocation import OUTPUT_ROWS, KeyAllocation, output_gains, pro
 from kvarn.cache.buffer import Buffer, PackedBuffer
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.cache_policy import CachePolicy
-from kvarn.quant.policy import QueryCovariance, QueryEnergy
+from kvarn.quant.policy import query_statistics
 from kvarn.quant.tiles import Tiles
 
 NonFinite = Literal["exact", "error"]
@@ -535,13 +535,11 @@ class LayerStore:
         self.keys = TensorStore(key, s, policy.tile, "block", keep_decoded, exact_dtype, nonfinite)
         self.values = TensorStore(value, s, policy.tile, policy.value_window, keep_decoded, exact_dtype, nonfinite)
         self.head_dim = head_dim
-        # key rotation chosen per tile from the running query energy (rotate="auto", kvarn.quant.policy)
-        self.queries = QueryEnergy() if getattr(key, "takes_weight", False) else None
+        # key rotation chosen per tile from the running query energy (rotate="auto", kvarn.quant.policy); query-aware
+        # rounding (-qar presets) takes E[q q^T] instead
+        self.queries = query_statistics(key)
         if self.queries is not None:
-            self.keys.weight_source = self.queries.weight
-        if getattr(key, "takes_covariance", False):  # query-aware rounding (a lab variant): E[q q^T], D x D
-            self.queries = QueryCovariance()
-            self.keys.weight_source = self.queries.covariance
+            self.keys.weight_source = self.queries.key_weight
 
     @classmethod
     def from_preset(cls, preset: MethodSource, head_dim: int, sink: int | None = None, quantize: bool = True,

@@ -42,14 +42,14 @@ BIT_PAIRS = ((2, 2), (4, 2), (4, 4))
 TILES = (128, 64)
 
 
-ROUNDINGS = ("nearest", "query-aware")
+ROUNDING_SUFFIX = {"nearest": "", "query-aware": "-qar"}  # key rounding -> the preset name's suffix
 
 
 def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | None = None,
                   scale_dtype: torch.dtype = torch.float16, rounding: str = "nearest") -> Preset:
     """`{family}-k{k_bits}v{v_bits}-g{tile}`; rounding "query-aware": keys by `QueryAwareQuantizer` (name + "-qar")."""
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if rounding not in ROUNDING_SUFFIX:
+        raise ValueError(f"rounding must be one of {tuple(ROUNDING_SUFFIX)}, got {rounding!r}")
     rk, rv, use_varn, desc = FAMILIES[family]
     col = COL_SCALE_DTYPE.get(family)
     key_cls = QueryAwareQuantizer if rounding == "query-aware" else AffineQuantizer
@@ -65,11 +65,11 @@ def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | 
     params = {"tile": tile, "scale_dtype": str(scale_dtype).removeprefix("torch.")}
     if scale_dtype != torch.float16:
         desc += f" ({params['scale_dtype']} scales" + (", fp16 zero points)" if scale_dtype.itemsize == 1 else ")")
-    suffix = ""
     if rounding != "nearest":
-        params["rounding"], suffix = rounding, "-qar"
+        params["rounding"] = rounding
         desc += "; keys rounded query-aware (e^T Sigma_q e with the running E[q q^T])"
-    return Preset(name=name or f"{family}-k{k_bits}v{v_bits}-g{tile}{suffix}", description=desc, key=key, value=value,
+    name = name or f"{family}-k{k_bits}v{v_bits}-g{tile}{ROUNDING_SUFFIX[rounding]}"
+    return Preset(name=name, description=desc, key=key, value=value,
                   policy=CachePolicy(tile=tile), family=family, k_bits=k_bits, v_bits=v_bits, params=params)
 
 
@@ -112,8 +112,8 @@ def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str 
         desc += f", the split between {high}- and {mid}-bit layers chosen per request by their gains at both"
     if rounding != "nearest":
         desc += "; keys rounded query-aware"
-    suffix = "-qar" if rounding != "nearest" else ""
-    return dataclasses.replace(low, name=name or f"kvarn-b{bits}{suffix}", description=desc, family="kvarn-budget",
+    name = name or f"kvarn-b{bits}{ROUNDING_SUFFIX[rounding]}"
+    return dataclasses.replace(low, name=name, description=desc, family="kvarn-budget",
                                key_high=top.key, promote=share, k_bits=round(2 + (high - 2) * share, 4),
                                key_mid=None if mid is None else affine_preset(
                                    "kvarn-auto", mid, 2, tile, scale_dtype=scale_dtype, rounding=rounding).key,

@@ -118,11 +118,11 @@ class QueryEnergy:
             raise ValueError(f"queries of shape {tuple(q.shape)} do not match the running statistics of shape "
                              f"{tuple(self.sum.shape)}")
         w = q.detach() if q.dtype == torch.float64 else q.detach().float()
-        self.accumulate(self._moments(w.reshape(b, kv_heads, hq // kv_heads * t, d)), hq // kv_heads * t)
+        self.accumulate(self.moments(w.reshape(b, kv_heads, hq // kv_heads * t, d)), hq // kv_heads * t)
 
     @staticmethod
-    def _moments(w: torch.Tensor) -> torch.Tensor:
-        """Queries pooled per KV head [B, Hk, n, D] -> their summed squares [B, Hk, D]."""
+    def moments(w: torch.Tensor) -> torch.Tensor:
+        """Queries pooled per KV head [B, Hk, n, D] -> their summed squares [B, Hk, D] (what `accumulate` adds)."""
         return w.square().sum(dim=2)
 
     @staticmethod
@@ -140,6 +140,10 @@ class QueryEnergy:
 
     def weight(self) -> torch.Tensor | None:
         return None if self.sum is None else self.sum / self.count
+
+    def key_weight(self) -> torch.Tensor | None:
+        """What the key quantizer's encode takes as its weight: the energy [B, Hk, D] here."""
+        return self.weight()
 
     def index_batch(self, index: torch.Tensor) -> None:
         if self.sum is not None:
@@ -189,7 +193,7 @@ class QueryCovariance(QueryEnergy):
         return full
 
     @classmethod
-    def _moments(cls, w: torch.Tensor) -> torch.Tensor:
+    def moments(cls, w: torch.Tensor) -> torch.Tensor:
         """Queries pooled per KV head [B, Hk, n, D] -> their summed outer products, packed [B, Hk, D (D + 1) / 2]."""
         return cls.pack(w.transpose(-1, -2) @ w)
 
@@ -205,3 +209,15 @@ class QueryCovariance(QueryEnergy):
 
     def covariance(self) -> torch.Tensor | None:
         return None if self.sum is None else self.unpack(self.sum) / self.count
+
+    def key_weight(self) -> torch.Tensor | None:
+        """E[q q^T] [B, Hk, D, D]: what query-aware key rounding takes."""
+        return self.covariance()
+
+
+def query_statistics(key: object) -> QueryEnergy | None:
+    """The running query statistics a key quantizer takes (`key_weight` feeds its encode): E[q q^T] for query-aware
+    rounding (`takes_covariance`), the energy for a weighted rotation choice (`takes_weight`), else None."""
+    if getattr(key, "takes_covariance", False):
+        return QueryCovariance()
+    return QueryEnergy() if getattr(key, "takes_weight", False) else None

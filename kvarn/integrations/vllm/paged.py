@@ -74,7 +74,7 @@ from kvarn.cache.store import fits_dtype
 from kvarn.integrations.vllm.pool import LayerPool, RequestPlan, StepPlan
 from kvarn.ops import dispatch
 from kvarn.ops.decode import indexed_rows
-from kvarn.quant.policy import QueryCovariance, kernel_weighted
+from kvarn.quant.policy import kernel_weighted
 from kvarn.quant.tiles import Tiles
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
@@ -142,24 +142,22 @@ def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
         return
     t, hq, d = query.shape
     h = pool.geo.num_kv_heads
-    outer = isinstance(e, QueryCovariance)  # query-aware keys: sums of q q^T [H, D, D], not of q_d^2
+
+    def pooled(qc: torch.Tensor) -> torch.Tensor:  # [c, Hq, D] -> [1, H, c * Hq/H, D]: heads of a group, positions
+        return qc.view(-1, h, hq // h, d).transpose(0, 1).reshape(1, h, -1, d)
+
     total, kept = None, 0
     for c0 in range(0, t, OBSERVE_CHUNK):  # small float temporaries: a whole prompt step at once took ~8x the CPU
         qc = query[c0:c0 + OBSERVE_CHUNK].float()  # [c, Hq, D]
-        sq = qc.square().flatten(1)  # [c, Hq * D]
-        s = sq.sum(0)
+        s = e.moments(pooled(qc))  # q^2 sums, or q q^T's for query-aware keys (`QueryCovariance`)
         if not bool(torch.isfinite(s).all()):
             # the mean is the engine's, for good: tokens with a non-finite query (or square) are left out
-            ok = torch.isfinite(sq).all(1)
-            qc, sq = qc[ok], sq[ok]
-            s = sq.sum(0)
-        kept += sq.shape[0]
-        if outer:  # heads of a group and positions pooled per KV head: [H, c * Hq/H, D] -> q q^T summed
-            g = qc.view(-1, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
-            s = QueryCovariance.pack(g.transpose(1, 2) @ g)  # [H, D (D + 1) / 2]
+            qc = qc[torch.isfinite(qc.square()).flatten(1).all(1)]
+            s = e.moments(pooled(qc))
+        kept += qc.shape[0]
         total = s if total is None else total + s
-    if kept:  # heads of a group and positions pooled
-        e.accumulate(total[None] if outer else total.view(h, hq // h, d).sum(1)[None], kept * (hq // h))
+    if kept:
+        e.accumulate(total, kept * (hq // h))
 
 
 def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
@@ -234,8 +232,7 @@ def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list
     # rotate="auto" keys: each tile's rotation chosen with its KV head's running query energy (one row per tile, in
     # the flattened (block, head) order); values choose by plain squared error, as in the transformers cache
     # (query-aware keys: E[q q^T] [1, H, D, D] instead, one copy per tile: `QueryAwareQuantizer`)
-    e = pool.queries
-    w = None if e is None else e.covariance() if isinstance(e, QueryCovariance) else e.weight()  # [1, H, D(, D)]
+    w = None if pool.queries is None else pool.queries.key_weight()  # [1, H, D] (or [1, H, D, D])
     kw = None if w is None else w.expand(n, h, *w.shape[2:]).reshape(n * h, *w.shape[2:])
     idx = torch.tensor(blocks, dtype=torch.long, device=k.device)
     if decode_kernel(k.device) == "triton" and _triton_store(pool):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvarn.integrations.vllm.layout import PageGeometry
-from kvarn.quant.policy import QueryCovariance, QueryEnergy
+from kvarn.quant.policy import QueryEnergy, query_statistics
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
 
@@ -260,8 +260,7 @@ class LayerPool:
         # rotate="auto" keys: the layer's running query energy, [1, H, D] float32 sums + count, for the whole engine
         # (all requests pooled; `paged.observe_queries`); kept across pools of the same layer when given
         # (query-aware keys, `-qar` presets: the running E[q q^T] per KV head, `QueryCovariance`)
-        fresh = QueryCovariance if getattr(lay.key_q, "takes_covariance", False) else QueryEnergy
-        self.queries = (queries if queries is not None else fresh()) if lay.key_q.takes_weight else None
+        self.queries = queries if queries is not None else query_statistics(lay.key_q)
         self.triton_store: bool | None = None  # CUDA: whether the Triton store kernel writes its tiles (`paged`)
 
     def slot_rows(self, slots: torch.Tensor, kind: int | torch.Tensor,
