@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from kvarn.ops.codes import Rotation
+from kvarn.ops.hadamard import hadamard_dense
+
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
 RANGE_GUARD = 1e-10
 
@@ -47,19 +50,19 @@ def rtn_targets(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
 
 def query_aware_coefficients(sigma: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """The rounding coefficients of `query_aware_round` for second moments Sigma [N, R, R] of the queries (in the
-    basis the rows are stored in), float32 [N, R, R]: C_rj = U_rj / U_rr, U upper with U^T U = Sigma'^-1,
+    basis the rows are stored in), float32 [N, R, R]: C_rj = V_rj / V_jj, V upper with V V^T = Sigma',
         Sigma' = Sigma + damp mean(diag Sigma) I        (an all-zero Sigma, no query yet: a multiple of I)
-    in float64. U = V^-1 for V upper with V V^T = Sigma' (V = J L J, L the lower Cholesky factor of J Sigma' J, J the
-    reversal): one factorisation and one triangular solve. Runs of equal matrices (a cache hands one copy per tile
-    of a KV head, tiles of a head next to each other) are factorised once. A diagonal Sigma gives the identity:
-    nearest rounding. Where Sigma' is not positive definite in floating point, ten times the damping; a Sigma that
-    holds a non-finite value, or is not positive definite even then, gives the identity (nearest rounding)."""
+    in float64 (V = J L J, L the lower Cholesky factor of J Sigma' J, J the reversal): one factorisation, no solve.
+    Runs of equal matrices (a cache hands one copy per tile of a KV head, tiles of a head next to each other) are
+    factorised once. A diagonal Sigma gives the identity: nearest rounding. Where Sigma' is not positive definite in
+    floating point, ten times the damping; a Sigma that holds a non-finite value, or is not positive definite even
+    then, gives the identity (nearest rounding)."""
     n, r, _ = sigma.shape
     uniq, inverse = torch.unique_consecutive(sigma.reshape(n, -1), dim=0, return_inverse=True)
     h = uniq.view(-1, r, r).double()
     eye = torch.eye(r, dtype=h.dtype, device=h.device)
     usable = torch.isfinite(h).flatten(1).all(1)
-    h = torch.where(usable[:, None, None], (h + h.transpose(-1, -2)) / 2, eye)
+    h = torch.where(usable[:, None, None], (h + h.transpose(-1, -2)) * 0.5, eye)
     mean = h.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
     low, info = torch.linalg.cholesky_ex((h + (damp * mean)[:, None, None] * eye).flip(-1, -2))  # of J Sigma' J
     bad = info != 0
@@ -67,21 +70,38 @@ def query_aware_coefficients(sigma: torch.Tensor, damp: float = 0.01) -> torch.T
         low[bad], info = torch.linalg.cholesky_ex((h[bad] + (10 * damp * mean[bad])[:, None, None] * eye).flip(-1, -2))
         usable[bad.nonzero().squeeze(1)[info != 0]] = False
         low[~usable] = eye
-    up = torch.linalg.solve_triangular(low.flip(-1, -2), eye.expand_as(low), upper=True)  # V^-1
-    coef = (up / up.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)).float()
+    v = low.flip(-1, -2)  # V
+    coef = (v / v.diagonal(dim1=-2, dim2=-1).unsqueeze(-2)).float()
     return coef[inverse]
+
+
+def query_aware_bases(sigma: torch.Tensor, rotate: int, damp: float = 0.01) -> torch.Tensor:
+    """`query_aware_coefficients` of each basis a key tile may be stored in: Sigma [N, D, D] (plain basis) ->
+    [N, B, D, D], B = 2 for rotate = AUTO (H Sigma H, then Sigma), else 1 (HADAMARD: H Sigma H; NONE: Sigma;
+    q . k = (q H) . (k H), H symmetric). The op seat `kvarn::query_aware_coefficients` (`kvarn.ops.seats`)."""
+    n, d, _ = sigma.shape
+    bases = []
+    if rotate != Rotation.NONE:
+        h = hadamard_dense(d, torch.float64, sigma.device)
+        bases.append(h @ sigma.double() @ h)
+    if rotate != Rotation.HADAMARD:
+        bases.append(sigma.double())
+    coef = query_aware_coefficients(torch.cat(bases), damp)  # basis-major: a head's tiles stay next to each other
+    return coef.view(len(bases), n, d, d).transpose(0, 1).contiguous()
 
 
 def query_aware_round(u: torch.Tensor, coef: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
     """Round codes column by column so that the error of each column, in the rows' own units, minimises
-    e^T Sigma' e (not sum e^2): the GPTQ/OBQ order over the rows. u [N, R, C] unrounded codes (rows: the axis the
-    error couples, a key tile's channels; columns: its tokens), coef [N, R, R] from `query_aware_coefficients`,
-    step [N, R] > 0 the rows' quantization steps a (row r's error is a_r (q_r - u_r); with VarN also a column factor,
-    which does not move the argmin). Rows are rounded in order 0..R-1, each to its nearest level in [0, 2^b - 1],
-    and its error pushed onto the rows not yet rounded:
-        m_rj = C_rj a_r / a_j        (the code-space Hessian diag(a) Sigma' diag(a) has factor U diag(1/a))
-        q_r = clamp(round(u_r)),  u_j -= m_rj (u_r - q_r)      for j > r, product then difference, in u's dtype.
-    A diagonal Sigma is plain round-to-nearest, bit for bit. Returns uint8 codes [N, R, C]."""
+    e^T Sigma' e (not sum e^2): Babai's nearest plane over the rows, the greedy choice of GPTQ/OBQ's error feedback.
+    u [N, R, C] unrounded codes (rows: the axis the error couples, a key tile's channels; columns: its tokens), coef
+    [N, R, R] from `query_aware_coefficients`, step [N, R] > 0 the rows' quantization steps a (row r's error is
+    a_r (u_r - q_r); with VarN also a column factor, which does not move the argmin). The code-space Hessian
+    diag(a) Sigma' diag(a) is W^T W with W = (diag(a) V)^T lower, so row j's target is u_j plus the errors of the rows
+    before it, each times W_jr / W_jj:
+        m_rj = C_rj a_r / a_j
+        q_r = clamp(round(w_r), 0, 2^b - 1),  w_j += m_rj (u_r - q_r)      for j > r (w = u at first), r = 0..R-1
+    product, then sum, in u's dtype. A diagonal Sigma is plain round-to-nearest, bit for bit. Returns uint8 codes
+    [N, R, C]."""
     levels = (1 << check_bits(bits)) - 1
     n, r, _ = u.shape
     if coef.shape != (n, r, r) or step.shape != (n, r):
@@ -95,6 +115,6 @@ def query_aware_round(u: torch.Tensor, coef: torch.Tensor, step: torch.Tensor, b
         qi = torch.round(w[:, i]).clamp_(0, levels)  # [N, C]
         q[:, i] = qi
         if i + 1 < r:
-            err = w[:, i] - qi  # [N, C]
-            w[:, i + 1:] -= m[:, i, i + 1:, None] * err[:, None, :]
+            err = u[:, i] - qi  # [N, C]: the row's own error, not what earlier rows pushed onto it
+            w[:, i + 1:] += m[:, i, i + 1:, None] * err[:, None, :]
     return q.to(torch.uint8)

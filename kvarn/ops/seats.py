@@ -11,6 +11,9 @@ kernel serves the call; `supported(seat, device)` gives the registered kernel's 
                       input_finite [N], fields_finite [N])
         AffineQuantizer tiles (kvarn.quant.affine; codes `kvarn.ops.codes`; coef: query-aware rounding of keys,
         `kvarn.ops.rtn`); default: the quantizer's reference, registered by kvarn.quant.affine.
+    kvarn::query_aware_coefficients(sigma [N, D, D], rotate, damp) -> coef [N, B, D, D]
+        query-aware rounding's coefficients of each basis (`kvarn.ops.rtn.query_aware_bases`, the default); the C++
+        kernel agrees to float64 rounding (its factorisation sums in another order), not bit for bit.
     kvarn::packed_decode(q, qh, hadamard, scale, key fields + strides, bits, rotate, value fields + strides, bits,
                          rotate, block_table, n_blocks, tile, exact map/keys/values, dense keys/values/positions,
                          tiles_pos, bias, length, softcap, splits, paged rows/index/position) -> (out_plain,
@@ -27,6 +30,7 @@ import torch
 from kvarn.ops.codes import CODE_DTYPES
 from kvarn.ops.decode import packed_decode_reference
 from kvarn.ops.packing import packed_size
+from kvarn.ops.rtn import query_aware_bases
 
 STORE_SCHEMA = ("(Tensor x, Tensor? weight, int bits, bool channel, int rotate, bool varn, int varn_iters, "
                 "int scale_dtype, int col_dtype, bool relative, Tensor? coef=None) -> (Tensor, Tensor, Tensor, Tensor, "
@@ -40,6 +44,7 @@ DECODE_SCHEMA = ("(Tensor q, Tensor qh, Tensor hadamard, float scale, Tensor[] k
 
 torch.library.define("kvarn::tile_store", STORE_SCHEMA)
 torch.library.define("kvarn::packed_decode", DECODE_SCHEMA)
+torch.library.define("kvarn::query_aware_coefficients", "(Tensor sigma, int rotate, float damp) -> Tensor")
 
 _SUPPORT: dict[tuple[str, str], Callable[..., str | None]] = {}
 
@@ -74,4 +79,11 @@ def _decode_fake(q, qh, hadamard, *args):
     return out, (q.new_empty(0, dtype=torch.float32) if hadamard.numel() else torch.empty_like(out))
 
 
+@torch.library.register_fake("kvarn::query_aware_coefficients")
+def _coefficients_fake(sigma, rotate, damp):
+    n, d, _ = sigma.shape
+    return sigma.new_empty(n, 2 if rotate == 2 else 1, d, d, dtype=torch.float32)
+
+
 torch.library.impl("kvarn::packed_decode", "CompositeExplicitAutograd")(packed_decode_reference)
+torch.library.impl("kvarn::query_aware_coefficients", "CompositeExplicitAutograd")(query_aware_bases)

@@ -27,7 +27,7 @@ from kvarn.ops.codes import CODE_DTYPES, DTYPE_CODES, Rotation
 from kvarn.ops.dispatch import use_kernel
 from kvarn.ops.hadamard import hadamard_dense, hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
-from kvarn.ops.rtn import check_bits, query_aware_coefficients, query_aware_round, rtn_quantize, rtn_targets
+from kvarn.ops.rtn import check_bits, query_aware_bases, query_aware_round, rtn_quantize, rtn_targets
 from kvarn.ops.seats import supported
 from kvarn.ops.varn import DEFAULT_ITERS, varn
 from kvarn.quant.base import TileQuantizer, check_tiles
@@ -35,6 +35,7 @@ from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy, kerne
 from kvarn.quant.tiles import AffineFormat, AffineTiles
 
 STORE_SEAT = torch.ops.kvarn.tile_store.default  # the op seat (kvarn.ops.seats); the C++ kernel serves CPU tiles
+COEF_SEAT = torch.ops.kvarn.query_aware_coefficients.default
 Axis = Literal["channel", "token"]
 Rotate = Literal["none", "hadamard", "auto"]
 
@@ -294,7 +295,7 @@ class AffineQuantizer(TileQuantizer):
 
 
 class QueryAwareQuantizer(AffineQuantizer):
-    """Lab variant (issue 20, "query-aware rounding"; `scripts/budget_variants.py`): an `AffineQuantizer` for keys
+    """Query-aware rounding (issue 20; the `-qar` presets of `kvarn.presets.family`): an `AffineQuantizer` for keys
     (axis "channel") whose codes are rounded per token to minimise the logit error as the queries see it,
     e^T Sigma e, instead of sum_d e_d^2 (`kvarn.ops.rtn.query_aware_round`). Same format, scales and bytes: only
     the codes differ. Sigma = E[q q^T], the running second moment of the queries of the tile's KV head
@@ -304,7 +305,8 @@ class QueryAwareQuantizer(AffineQuantizer):
     A weight [N, D] (query energy alone) or none is a diagonal Sigma: nearest rounding, as `AffineQuantizer`.
     The rotation choice (rotate="auto") keeps the policy's diagonal weight, diag(Sigma).
 
-    The fused CPU store kernel rounds the same way, given the coefficients (`kvarn.kernels.cpu.store`)."""
+    The fused CPU store kernel rounds the same way, given the coefficients (`kvarn.kernels.cpu.store`); on CPU the
+    coefficients come from the C++ kernel behind the op seat `kvarn::query_aware_coefficients`."""
 
     takes_covariance = True  # the cache feeds the full [N, D, D] second moment (kvarn.cache.store.LayerStore)
 
@@ -328,17 +330,13 @@ class QueryAwareQuantizer(AffineQuantizer):
 
     def coefficients(self, sigma: torch.Tensor) -> torch.Tensor:
         """Sigma [N, D, D] (plain basis) -> the rounding coefficients [N, B, D, D] of each basis the configuration
-        encodes (`query_aware_coefficients`): B = 2 under rotate="auto" (rotated, then plain), else 1."""
-        n, d, _ = sigma.shape
-        bases = []
-        if self.config.rotate != "none":  # H Sigma H (H symmetric), in float64
-            h = hadamard_dense(d, torch.float64, sigma.device)
-            bases.append(h @ sigma.double() @ h)
-        if self.config.rotate != "hadamard":
-            bases.append(sigma.double())
-        # one factorisation call for every basis, basis-major so a head's tiles stay next to each other
-        coef = query_aware_coefficients(torch.cat(bases), self.damp)  # [B * N, D, D]
-        return coef.view(len(bases), n, d, d).transpose(0, 1).contiguous()
+        encodes (`kvarn.ops.rtn.query_aware_bases`): B = 2 under rotate="auto" (rotated, then plain), else 1. Through
+        the op seat where a kernel serves the device (KVARN_KERNEL), else the PyTorch reference."""
+        rotate = Rotation.of(self.config.rotate)
+        if use_kernel(lambda: supported("query_aware_coefficients", sigma.device),
+                      "no kernel computes query-aware coefficients"):
+            return COEF_SEAT(sigma, int(rotate), self.damp)
+        return query_aware_bases(sigma, rotate, self.damp)
 
     @staticmethod
     def _split(weight: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -159,22 +159,25 @@ class QueryCovariance(QueryEnergy):
     matrix [B, Hk, D, D], or None before the first update. Held as the upper triangle, row by row (`pack`):
     `sum` [B, Hk, D (D + 1) / 2], half the bytes of the matrix. Accumulated in float32 (float64 stays float64)."""
 
-    _TRIANGLES: ClassVar[dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]]] = {}
+    _TRIANGLES: ClassVar[dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     @classmethod
-    def _triangle(cls, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _triangle(cls, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """([2, D (D + 1) / 2] the (row, column) of each packed entry, rows in order, column >= row; the same as flat
-        indices into D x D), cached per size and device: a decode step packs once per layer."""
+        indices into D x D; [D * D] the packed entry of each (row, column) of the symmetric matrix), cached per size
+        and device: a decode step packs once per layer, a store unpacks once per layer."""
         key = (d, torch.device(device))
         if key not in cls._TRIANGLES:
             rc = torch.triu_indices(d, d, device=device)
-            cls._TRIANGLES[key] = rc, rc[0] * d + rc[1]
+            sym = torch.empty(d, d, dtype=torch.long, device=device)
+            sym[rc[0], rc[1]] = sym[rc[1], rc[0]] = torch.arange(rc.shape[1], device=device)
+            cls._TRIANGLES[key] = rc, rc[0] * d + rc[1], sym.flatten()
         return cls._TRIANGLES[key]
 
     @classmethod
     def pack(cls, full: torch.Tensor) -> torch.Tensor:
         """Symmetric [..., D, D] -> its upper triangle [..., D (D + 1) / 2]."""
-        _, flat = cls._triangle(full.shape[-1], full.device)
+        _, flat, _ = cls._triangle(full.shape[-1], full.device)
         return full.flatten(-2)[..., flat]
 
     @staticmethod
@@ -184,13 +187,10 @@ class QueryCovariance(QueryEnergy):
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> torch.Tensor:
-        """[..., D (D + 1) / 2] -> the symmetric matrix [..., D, D]."""
+        """[..., D (D + 1) / 2] -> the symmetric matrix [..., D, D] (one gather)."""
         d = cls._dim(packed)
-        (r, c), _ = cls._triangle(d, packed.device)
-        full = packed.new_zeros(*packed.shape[:-1], d, d)
-        full[..., r, c] = packed
-        full[..., c, r] = packed
-        return full
+        _, _, sym = cls._triangle(d, packed.device)
+        return packed.reshape(-1, packed.shape[-1]).index_select(1, sym).view(*packed.shape[:-1], d, d)  # 2-D: fast
 
     @classmethod
     def moments(cls, w: torch.Tensor) -> torch.Tensor:
@@ -204,7 +204,7 @@ class QueryCovariance(QueryEnergy):
     def weight(self) -> torch.Tensor | None:
         if self.sum is None:
             return None
-        (r, c), _ = self._triangle(self._dim(self.sum), self.sum.device)
+        (r, c), _, _ = self._triangle(self._dim(self.sum), self.sum.device)
         return self.sum[..., r == c] / self.count
 
     def covariance(self) -> torch.Tensor | None:

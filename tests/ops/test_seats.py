@@ -1,4 +1,4 @@
-"""The op seats (kvarn.ops.seats): torch.library.opcheck of both ops on CPU (the C++ kernels registered for CPU
+"""The op seats (kvarn.ops.seats): torch.library.opcheck of every op on CPU (the C++ kernels registered for CPU
 against their fake implementations), the default PyTorch reference of each seat against the kernel, and a decode step
 of KVarNCache under torch.compile giving the tokens of eager mode.
 
@@ -17,6 +17,7 @@ from kvarn.attention import fused
 from kvarn.integrations.transformers import KVarNCache
 from kvarn.ops.decode import packed_decode_reference
 from kvarn.ops.dispatch import mode
+from kvarn.ops.rtn import query_aware_bases
 from kvarn.presets import get_preset
 from kvarn.quant.affine import QueryAwareQuantizer, tile_store_reference
 from tests.helpers import build_past, make_inputs, make_tiny_model
@@ -75,6 +76,33 @@ def test_tile_store_opcheck_with_query_aware_coefficients(monkeypatch, seed):
     torch.library.opcheck(torch.ops.kvarn.tile_store.default, args, test_utils=UTILS)
     for got, want in zip(torch.ops.kvarn.tile_store.default(*args), tile_store_reference(*args), strict=True):
         assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_query_aware_coefficients_opcheck_and_reference(d, seed):
+    """The coefficients seat: opcheck on the C++ kernel; against its default (`query_aware_bases`: LAPACK's float64
+    factorisation) within one float32 ulp. Both are float64 computations of the same factor, each off by about
+    cond(Sigma') D eps64 relative (cond <= 1 + D / 0.01 under the damping: ~1e-10 at D = 128), far under float32's
+    eps, so the cast can land them at most one ulp apart. Runs of equal matrices, a NaN and an indefinite Sigma
+    (identity: nearest rounding) included."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(4, d, 6, generator=g)
+    sigma = a @ a.transpose(1, 2) + 0.05 * torch.eye(d)
+    sigma[2, 3, 1] = float("nan")
+    sigma[3] = -torch.eye(d)
+    sigma = sigma[torch.tensor([0, 0, 1, 2, 3, 1])]
+    seat = torch.ops.kvarn.query_aware_coefficients.default
+    for rotate in (0, 1, 2):
+        torch.library.opcheck(seat, (sigma, rotate, 0.01), test_utils=UTILS)
+        got, want = seat(sigma, rotate, 0.01), query_aware_bases(sigma, rotate, 0.01)
+        assert got.shape == want.shape == (6, 2 if rotate == 2 else 1, d, d) and got.dtype == torch.float32
+        assert (got - want).abs().le(torch.finfo(torch.float32).eps * want.abs()).all()
+        assert torch.equal(got.tril(-1), torch.zeros_like(got))
+        assert torch.equal(got.diagonal(dim1=-2, dim2=-1), torch.ones(6, got.shape[1], d))
+        assert torch.equal(got[1], got[0]) and torch.equal(got[5], got[2])
+        assert torch.equal(got[3], torch.eye(d).expand_as(got[3])) and torch.equal(got[4], got[3])  # NaN, indefinite
+        assert not torch.equal(got[0], got[3])
 
 
 def q_auto(name: str) -> bool:

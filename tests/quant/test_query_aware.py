@@ -1,6 +1,6 @@
-"""Query-aware rounding of keys (issue 20's lever, a lab variant: `kvarn.ops.rtn.query_aware_round`,
-`kvarn.quant.affine.QueryAwareQuantizer`, `kvarn.quant.policy.QueryCovariance`; registered only by
-scripts/budget_variants.py).
+"""Query-aware rounding of keys (issue 20's lever: `kvarn.ops.rtn.query_aware_round`,
+`kvarn.quant.affine.QueryAwareQuantizer`, `kvarn.quant.policy.QueryCovariance`; the `-qar` presets of
+`kvarn.presets.family`).
 
 Checked: its unrounded codes are RTN's bit for bit; a diagonal Sigma gives nearest rounding bit for bit; the codes
 equal a float64 OBQ reference (tests/reference/query_aware.py) and lower r^T H r against nearest rounding; the
@@ -184,8 +184,10 @@ def kernel_configs() -> list[AffineConfig]:
 @pytest.mark.skipif(load() is None, reason="the CPU extension could not be built")
 @pytest.mark.parametrize("cfg", kernel_configs(), ids=lambda c: f"{c.bits}b-{c.rotate}-varn{int(c.varn)}-g{c.tile}")
 def test_store_kernel_equals_reference(cfg: AffineConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused CPU store rounds query-aware from the same coefficients: every field bit for bit, bf16 input and a
-    non-finite tile (encoded as zeros, flagged) included; the kernel is the path `encode_tiles` takes."""
+    """The fused CPU store rounds query-aware as the reference does: every field bit for bit, bf16 input and a
+    non-finite tile (encoded as zeros, flagged) included; the kernel is the path `encode_tiles` takes. The kernel path
+    also takes its coefficients from the C++ seat, the reference from LAPACK (within one float32 ulp of each other,
+    tests/ops/test_seats.py): on these tiles no code moves."""
     gen = torch.Generator().manual_seed(5)
     n = 6
     x = (torch.randn(n, cfg.tile, D, generator=gen) * torch.linspace(0.2, 3, D)).to(torch.bfloat16)

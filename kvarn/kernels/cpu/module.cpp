@@ -16,7 +16,11 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
                                     int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,
                                     bool relative, const at::Tensor& coef);
 
+at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, double damp);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "fused decode attention over packed KVarN tiles");
+  m.def("query_aware_coefficients", &query_aware_coefficients,
+        "query-aware rounding's coefficients per tile and basis (kvarn.ops.rtn.query_aware_bases)");
   m.def("store_tiles", &store_tiles, "fused tile store: Hadamard, VarN, RTN, fold, pack (AffineQuantizer tiles)");
 }

@@ -25,7 +25,11 @@ def _packed_decode(*args):
     return out_p, (out_p.new_empty(0) if out_r is None else out_r)
 
 
-def _decode_support() -> str | None:
+def _coefficients(sigma, rotate, damp):
+    return load().query_aware_coefficients(sigma.float().contiguous(), rotate, damp)
+
+
+def _extension_support() -> str | None:
     return None if load() is not None else error() or "the extension is unavailable"
 
 
@@ -34,5 +38,7 @@ def _decode_support() -> str | None:
 _LIB = torch.library.Library("kvarn", "IMPL")
 _LIB.impl("tile_store", _tile_store, "CPU")
 _LIB.impl("packed_decode", _packed_decode, "CPU")
+_LIB.impl("query_aware_coefficients", _coefficients, "CPU")
 seats.register_support("tile_store", "cpu", store.unsupported)
-seats.register_support("packed_decode", "cpu", _decode_support)
+seats.register_support("packed_decode", "cpu", _extension_support)
+seats.register_support("query_aware_coefficients", "cpu", _extension_support)

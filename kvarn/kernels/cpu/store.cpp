@@ -83,27 +83,29 @@ struct Config {
 // x @ H along the rows of T [d][n] (channel-major: row i = channel i of n vectors), in place: kvarn.ops.hadamard's
 // power-of-two blocks (binary expansion of d, largest first), each a butterfly (a + b, a - b) with h = 1, 2, 4, ...
 // then divided by sqrt(block). Whole rows at a time, so the butterflies are vector operations over the n vectors.
-void fwht_rows(float* T, int d, int n) {
+template <typename T_>
+void fwht_rows(T_* T, int d, int n, bool normalize = true) {
   int off = 0;
   for (int bit = 30; bit >= 0; --bit) {
     if (!((d >> bit) & 1)) continue;
     const int m = 1 << bit;
-    float* v = T + static_cast<int64_t>(off) * n;
+    T_* v = T + static_cast<int64_t>(off) * n;
     for (int h = 1; h < m; h *= 2)
       for (int i = 0; i < m; i += 2 * h)
         for (int j = i; j < i + h; ++j) {
-          float* p = v + static_cast<int64_t>(j) * n;
-          float* q = p + static_cast<int64_t>(h) * n;
+          T_* p = v + static_cast<int64_t>(j) * n;
+          T_* q = p + static_cast<int64_t>(h) * n;
 #pragma omp simd
           for (int k = 0; k < n; ++k) {
-            const float a = p[k], b = q[k];
+            const T_ a = p[k], b = q[k];
             p[k] = a + b;
             q[k] = a - b;
           }
         }
-    const float s = static_cast<float>(std::sqrt(static_cast<double>(m)));
+    const T_ s = static_cast<T_>(std::sqrt(static_cast<double>(m)));
+    if (normalize)
 #pragma omp simd
-    for (int k = 0; k < m * n; ++k) v[k] /= s;
+      for (int k = 0; k < m * n; ++k) v[k] /= s;
     off += m;
   }
 }
@@ -125,7 +127,7 @@ struct Work {
   Work(const Config& c)
       : G(c.G), D(c.D), R(c.R), x0(c.G * c.D), x(c.R * c.C), dec(c.R * c.C), b(c.R * c.C), sc(c.C), sr(c.R),
         lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R), tf(c.C), rec(c.G * c.D), u(c.R * c.C), m(c.R * c.R),
-        step(c.R), err(c.C), zsd(c.R), iec(c.C), ier(c.R) {}
+        step(c.R), err(c.R * c.C), zsd(c.R), iec(c.C), ier(c.R) {}
 };
 
 Work& work_for(const Config& c) {
@@ -330,31 +332,69 @@ void row_codes(const float* row, int n, float lo, float delta, float top, uint8_
 }
 
 // Query-aware rounding (kvarn.ops.rtn.query_aware_round): the rows' unrounded codes w.u [R][C] rounded in order,
-// each row's error pushed onto the rows after it with m_rj = C_rj a_r / a_j (coef [R][R] = C, w.step = a): product,
-// then difference, as torch; a zero m_rj changes nothing, so it is skipped.
+// row j to the nearest level of its target u_j + sum_{r<j} m_rj e_r, e_r = u_r - q_r, m_rj = C_rj a_r / a_j (coef
+// [R][R] = C, w.step = a). The sum is taken left-looking, r ascending, a product then a sum each (torch's order: its
+// push after row r adds to every later row), over a block of columns held in registers; a zero m_rj is skipped.
+constexpr int QA_LANES = 16;
+typedef float QaVec __attribute__((vector_size(4 * QA_LANES)));
+
+inline QaVec qa_load(const float* p) {
+  QaVec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Row j's targets over NV vectors of columns from g0 (t, QA_LANES * NV floats): u_j + sum_{r<j} m_rj e_r, r ascending,
+// product then sum; the NV accumulators stay in registers.
+template <int NV>
+void qa_targets(const float* uj, const float* e, const float* m, int j, int R, int C, float* t) {
+  QaVec acc[NV];
+  for (int k = 0; k < NV; ++k) acc[k] = qa_load(uj + k * QA_LANES);
+  for (int r = 0; r < j; ++r) {
+    const float mr = m[r * R + j];
+    if (mr == 0.f) continue;
+    const float* er = e + static_cast<int64_t>(r) * C;
+    for (int k = 0; k < NV; ++k) acc[k] = acc[k] + mr * qa_load(er + k * QA_LANES);
+  }
+  std::memcpy(t, acc, sizeof acc);
+}
+
 void query_aware_rows(const Config& c, const float* coef, Work& w, uint8_t* q) {
   const int R = c.R, C = c.C;
   const float top = static_cast<float>((1 << c.bits) - 1);
-  float* u = w.u.data();
+  const float* u = w.u.data();
   float* m = w.m.data();
-  float* err = w.err.data();
+  float* e = w.err.data();  // [R][C]
   for (int r = 0; r < R; ++r)
     for (int j = r + 1; j < R; ++j) m[r * R + j] = coef[r * R + j] * w.step[r] / w.step[j];
-  for (int r = 0; r < R; ++r) {
-    float* ur = u + r * C;
-    uint8_t* qr = q + r * C;
-    for (int g = 0; g < C; ++g) {
-      const float v = std::min(std::max(std::nearbyint(ur[g]), 0.f), top);
-      qr[g] = static_cast<uint8_t>(v);
-      err[g] = ur[g] - v;
-    }
-    for (int j = r + 1; j < R; ++j) {
-      const float mj = m[r * R + j];
-      if (mj == 0.f) continue;
-      float* uj = u + j * C;
+  for (int g0 = 0; g0 < C;) {
+    const int n = C - g0 >= 8 * QA_LANES ? 8 * QA_LANES : C - g0 >= 4 * QA_LANES ? 4 * QA_LANES : C - g0;
+    for (int j = 0; j < R; ++j) {
+      alignas(64) float t[8 * QA_LANES];
+      const float* uj = u + j * C + g0;
+      if (n == 8 * QA_LANES) {
+        qa_targets<8>(uj, e + g0, m, j, R, C, t);
+      } else if (n == 4 * QA_LANES) {
+        qa_targets<4>(uj, e + g0, m, j, R, C, t);
+      } else {
+        for (int g = 0; g < n; ++g) t[g] = uj[g];
+        for (int r = 0; r < j; ++r) {
+          const float mr = m[r * R + j];
+          if (mr == 0.f) continue;
+          const float* er = e + r * C + g0;
+          for (int g = 0; g < n; ++g) t[g] = t[g] + mr * er[g];
+        }
+      }
+      uint8_t* qj = q + j * C + g0;
+      float* ej = e + j * C + g0;
 #pragma omp simd
-      for (int g = 0; g < C; ++g) uj[g] = uj[g] - mj * err[g];
+      for (int g = 0; g < n; ++g) {
+        const float v = std::min(std::max(std::nearbyint(t[g]), 0.f), top);
+        qj[g] = static_cast<uint8_t>(v);
+        ej[g] = uj[g] - v;
+      }
     }
+    g0 += n;
   }
 }
 
@@ -534,6 +574,64 @@ void to_rows(const Config& c, const float* x0t, bool rotate, float* X, float* sc
     for (int g = 0; g < G; ++g) X[g * D + d] = src[d * G + g];
 }
 
+
+// Query-aware rounding's coefficients (kvarn.ops.rtn.query_aware_bases, the same steps in float64; LAPACK's
+// factorisation sums in another order, so they agree to rounding, not bit for bit). A [D][D] holds Sigma in the
+// basis; V upper with V V^T = A', filled from the last column: its pivot, the column over it, then the leading
+// block's lower triangle less that column's outer product (row axpys). False where A' is not positive definite.
+bool reverse_cholesky(double* A, double* V, double* v, int D) {
+  std::fill(V, V + D * D, 0.0);
+  for (int j = D - 1; j >= 0; --j) {
+    const double* aj = A + j * D;
+    if (!(aj[j] > 0.0)) return false;
+    const double p = std::sqrt(aj[j]);
+    for (int i = 0; i < j; ++i) v[i] = aj[i] / p;
+    v[j] = p;
+    for (int i = 0; i <= j; ++i) V[i * D + j] = v[i];
+    for (int i = 0; i < j; ++i) {
+      double* ai = A + i * D;
+      const double vi = v[i];
+#pragma omp simd
+      for (int k = 0; k <= i; ++k) ai[k] = ai[k] - vi * v[k];
+    }
+  }
+  return true;
+}
+
+// One basis: S [D][D] (Sigma, float64, overwritten) -> C [D][D] float32, C_rj = V_rj / V_jj; the identity where Sigma
+// is not finite or Sigma + 10 damp mean(diag) I is still not positive definite.
+void coefficients_of(double* S, double damp, float* C, double* A, double* V, double* v, int D) {
+  int finite = 1;
+  for (int k = 0; k < D * D; ++k) finite &= static_cast<int>(std::isfinite(S[k]));
+  bool ok = finite != 0;
+  if (ok) {
+    double mean = 0.0;
+    for (int i = 0; i < D; ++i) {
+      for (int j = 0; j < i; ++j) S[i * D + j] = S[j * D + i] = (S[i * D + j] + S[j * D + i]) * 0.5;
+      mean += S[i * D + i];
+    }
+    mean = std::max(mean / D, 1e-30);
+    ok = false;
+    for (const double f : {damp, 10 * damp}) {
+      std::copy(S, S + D * D, A);
+      for (int i = 0; i < D; ++i) A[i * D + i] += f * mean;
+      if ((ok = reverse_cholesky(A, V, v, D))) break;
+    }
+  }
+  std::fill(C, C + D * D, 0.f);
+  if (!ok) {
+    for (int r = 0; r < D; ++r) C[r * D + r] = 1.f;
+    return;
+  }
+  for (int j = 0; j < D; ++j) v[j] = V[j * D + j];
+  for (int r = 0; r < D; ++r) {
+    const double* vr = V + r * D;
+    float* cr = C + r * D;
+#pragma omp simd
+    for (int j = r; j < D; ++j) cr[j] = static_cast<float>(vr[j] / v[j]);
+  }
+}
+
 }  // namespace
 
 // x [N][G][D] float32/fp16/bf16, any strides; weight [N][D] float32 (rotate = auto, weighted) or empty; coef
@@ -625,4 +723,49 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
     o.rot[n] = keep ? 1 : 0;
   }
   return {codes, a, z, col, rot, fin, fout};
+}
+
+// sigma [N][D][D] float32 contiguous (E[q q^T] per tile, plain basis) -> coef [N][B][D][D] float32, B = 2 for rotate =
+// auto (H Sigma H first, then Sigma), else 1 (hadamard: H Sigma H; none: Sigma). A run of equal matrices is computed
+// once (a cache hands one copy per tile of a KV head).
+at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, double damp) {
+  TORCH_CHECK(sigma.dim() == 3 && sigma.size(1) == sigma.size(2) && sigma.scalar_type() == at::kFloat &&
+                  sigma.is_contiguous(),
+              "kvarn coefficients: sigma must be float32 [N, D, D] contiguous");
+  TORCH_CHECK(rotate >= 0 && rotate <= 2, "kvarn coefficients: rotate must be 0, 1 or 2");
+  const int64_t N = sigma.size(0);
+  const int D = static_cast<int>(sigma.size(1));
+  std::vector<bool> bases;
+  if (rotate != 0) bases.push_back(true);
+  if (rotate != 1) bases.push_back(false);
+  const int B = static_cast<int>(bases.size());
+  at::Tensor out = at::empty({N, B, D, D}, sigma.options());
+  const float* sp = sigma.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t dd = static_cast<int64_t>(D) * D;
+  std::vector<double> S(dd), T(dd), A(dd), V(dd), v(D), norm(D);
+  for (int bit = 30, off = 0; bit >= 0; --bit)  // fwht_rows' power-of-two blocks: 1 / sqrt(block) per row
+    if ((D >> bit) & 1)
+      for (int m = 1 << bit; m > 0; --m) norm[off++] = 1.0 / std::sqrt(static_cast<double>(1 << bit));
+  for (int64_t n = 0; n < N; ++n) {
+    const float* s = sp + n * dd;
+    float* o = op + n * B * dd;
+    if (n > 0 && std::memcmp(s, s - dd, dd * sizeof(float)) == 0) {
+      std::memcpy(o, o - B * dd, B * dd * sizeof(float));
+      continue;
+    }
+    for (int b = 0; b < B; ++b) {
+      for (int64_t k = 0; k < dd; ++k) S[k] = s[k];
+      if (bases[b]) {  // H Sigma H: rows mixed, transposed, rows mixed again; each block's 1/sqrt(m) once at the end
+        fwht_rows(S.data(), D, D, false);
+        for (int i = 0; i < D; ++i)
+          for (int j = 0; j < D; ++j) T[j * D + i] = S[i * D + j];
+        fwht_rows(T.data(), D, D, false);
+        for (int i = 0; i < D; ++i)
+          for (int j = 0; j < D; ++j) S[i * D + j] = T[i * D + j] * (norm[i] * norm[j]);
+      }
+      coefficients_of(S.data(), damp, o + b * dd, A.data(), V.data(), v.data(), D);
+    }
+  }
+  return out;
 }
