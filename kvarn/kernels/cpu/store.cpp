@@ -581,19 +581,32 @@ void to_rows(const Config& c, const float* x0t, bool rotate, float* X, float* sc
 // block's lower triangle less that column's outer product (row axpys). False where A' is not positive definite.
 bool reverse_cholesky(double* A, double* V, double* v, int D) {
   std::fill(V, V + D * D, 0.0);
-  for (int j = D - 1; j >= 0; --j) {
+  double* w = v + D;  // the second column of a pair
+  int j = D - 1;
+  for (; j >= 1; j -= 2) {  // columns j and j - 1, then one pass over the leading block for both
     const double* aj = A + j * D;
     if (!(aj[j] > 0.0)) return false;
     const double p = std::sqrt(aj[j]);
     for (int i = 0; i < j; ++i) v[i] = aj[i] / p;
     v[j] = p;
+    double* ak = A + (j - 1) * D;
+    for (int i = 0; i < j; ++i) ak[i] = ak[i] - v[j - 1] * v[i];
+    if (!(ak[j - 1] > 0.0)) return false;
+    const double q = std::sqrt(ak[j - 1]);
+    for (int i = 0; i < j - 1; ++i) w[i] = ak[i] / q;
+    w[j - 1] = q;
     for (int i = 0; i <= j; ++i) V[i * D + j] = v[i];
-    for (int i = 0; i < j; ++i) {
+    for (int i = 0; i < j; ++i) V[i * D + j - 1] = w[i];
+    for (int i = 0; i < j - 1; ++i) {
       double* ai = A + i * D;
-      const double vi = v[i];
+      const double vi = v[i], wi = w[i];
 #pragma omp simd
-      for (int k = 0; k <= i; ++k) ai[k] = ai[k] - vi * v[k];
+      for (int k = 0; k <= i; ++k) ai[k] = ai[k] - vi * v[k] - wi * w[k];
     }
+  }
+  if (j == 0) {
+    if (!(A[0] > 0.0)) return false;
+    V[0] = std::sqrt(A[0]);
   }
   return true;
 }
@@ -743,19 +756,20 @@ at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, dou
   const float* sp = sigma.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t dd = static_cast<int64_t>(D) * D;
-  std::vector<double> S(dd), T(dd), A(dd), V(dd), v(D), norm(D);
+  std::vector<double> norm(D);
   for (int bit = 30, off = 0; bit >= 0; --bit)  // fwht_rows' power-of-two blocks: 1 / sqrt(block) per row
     if ((D >> bit) & 1)
       for (int m = 1 << bit; m > 0; --m) norm[off++] = 1.0 / std::sqrt(static_cast<double>(1 << bit));
-  for (int64_t n = 0; n < N; ++n) {
-    const float* s = sp + n * dd;
-    float* o = op + n * B * dd;
-    if (n > 0 && std::memcmp(s, s - dd, dd * sizeof(float)) == 0) {
-      std::memcpy(o, o - B * dd, B * dd * sizeof(float));
-      continue;
-    }
-    for (int b = 0; b < B; ++b) {
-      for (int64_t k = 0; k < dd; ++k) S[k] = s[k];
+  std::vector<int64_t> first;  // the first tile of each run of equal matrices
+  for (int64_t n = 0; n < N; ++n)
+    if (n == 0 || std::memcmp(sp + n * dd, sp + (n - 1) * dd, dd * sizeof(float)) != 0) first.push_back(n);
+  const int64_t jobs = static_cast<int64_t>(first.size()) * B;
+  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> S(dd), T(dd), A(dd), V(dd), v(2 * D);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t n = first[job / B];
+      const int b = static_cast<int>(job % B);
+      for (int64_t k = 0; k < dd; ++k) S[k] = sp[n * dd + k];
       if (bases[b]) {  // H Sigma H: rows mixed, transposed, rows mixed again; each block's 1/sqrt(m) once at the end
         fwht_rows(S.data(), D, D, false);
         for (int i = 0; i < D; ++i)
@@ -764,8 +778,12 @@ at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, dou
         for (int i = 0; i < D; ++i)
           for (int j = 0; j < D; ++j) S[i * D + j] = T[i * D + j] * (norm[i] * norm[j]);
       }
-      coefficients_of(S.data(), damp, o + b * dd, A.data(), V.data(), v.data(), D);
+      coefficients_of(S.data(), damp, op + (n * B + b) * dd, A.data(), V.data(), v.data(), D);
     }
+  });
+  for (size_t k = 0; k < first.size(); ++k) {  // the rest of each run: copies of its first
+    const int64_t stop = k + 1 < first.size() ? first[k + 1] : N;
+    for (int64_t n = first[k] + 1; n < stop; ++n) std::memcpy(op + n * B * dd, op + first[k] * B * dd, B * dd * 4);
   }
   return out;
 }
