@@ -35,6 +35,9 @@ def register_variants() -> None:
         name = f"kvarn-b{b}-best"  # the registered preset under the name its measurements ran as (docs/TASKS.md)
         register_preset(name, lambda b=b, name=name: budget_preset(b, pick="best", name=name))
     register_preset("kvarn-auto-k3v2-g128", lambda: affine_preset("kvarn-auto", 3, 2, 128))
+    # 4-bit values under 2-bit keys: which side a copying task (lines, niah_multikey_2) loses on
+    register_preset("kvarn-auto-k2v4-g128", lambda: affine_preset("kvarn-auto", 2, 4, 128))
+    register_preset("kvarn-auto-k2v4-g128-qar", lambda: affine_preset("kvarn-auto", 2, 4, 128, rounding="query-aware"))
     for b in BUDGETS:  # e4m3 row scales (fp16 zero points): the 1/16 bit per element they save buys more layers
         name = f"kvarn-b{b}-fp8"
         register_preset(name, lambda b=b, name=name: budget_preset(b, pick="best", name=name,

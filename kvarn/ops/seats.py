@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvarn.ops.codes import CODE_DTYPES
+from kvarn.ops.codes import CODE_DTYPES, Rotation
 from kvarn.ops.decode import packed_decode_reference
 from kvarn.ops.packing import packed_size
 from kvarn.ops.rtn import query_aware_bases
@@ -82,7 +82,7 @@ def _decode_fake(q, qh, hadamard, *args):
 @torch.library.register_fake("kvarn::query_aware_coefficients")
 def _coefficients_fake(sigma, rotate, damp):
     n, d, _ = sigma.shape
-    return sigma.new_empty(n, 2 if rotate == 2 else 1, d, d, dtype=torch.float32)
+    return sigma.new_empty(n, 2 if rotate == Rotation.AUTO else 1, d, d, dtype=torch.float32)
 
 
 torch.library.impl("kvarn::packed_decode", "CompositeExplicitAutograd")(packed_decode_reference)
