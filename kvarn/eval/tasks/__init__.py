@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the task model: qwen2.5-coder-0.5b)")
     parser.add_argument("--plan", default=None, choices=sorted(PLANS),
                         help="a named run (tasks, sizes, methods, samples; kvarn/eval/tasks/plans.py): ci, main, "
-                             "presets, lines, full; --samples may override its counts")
+                             "presets, presets-1k, lines, copy, full; --samples may override its counts")
     parser.add_argument("--tasks", default=None,
                         help="comma-separated: lines, niah_single_1..3, niah_multikey_1..3, niah_multivalue, "
                              "niah_multiquery, vt, cwe, humaneval, humaneval_long, arith; groups ruler, all "

@@ -11,6 +11,9 @@ in docs/TASKS.md come from one command each and a rerun resumes them.
              quick look (under an hour here)
     lines    the line-retrieval curve of the paper's figure: 100, 200, 400, 600 lines x the main table's methods,
              under both protocols (serving and generate)
+    copy     the copying tasks where 2-bit keys lose first: RULER's niah_multikey_2 (near-identical key lines) at 4k
+             tokens and line retrieval at 20 and 50 lines (full precision answers some) x full precision, the
+             default, its query-aware variant, k4v2 and kvarn-b2.5-qar; 10 samples (docs/TASKS.md, seventh session)
     full     main + presets + lines, one output folder
 
 Samples per cell are what fits on the machine of docs/TASKS.md; `--samples N` overrides every cell's count (a
@@ -28,6 +31,7 @@ FULL = "dynamic"
 KIVI = "kivi-k2v2-g128"
 K4V2 = "kvarn-auto-k4v2-g128"
 MAIN_METHODS = (FULL, KIVI, DEFAULT_PRESET, K4V2)
+COPY_METHODS = (FULL, DEFAULT_PRESET, "kvarn-auto-k2v2-g128-qar", K4V2, "kvarn-b2.5-qar")
 ALL_METHODS = (FULL, "rtn-k2v2-g128", KIVI, "quarot-k2v2", "kvarn-k2v2-g128", DEFAULT_PRESET, K4V2,
                "quanto-2bit", "hqq-2bit")
 
@@ -53,6 +57,8 @@ PLANS: dict[str, tuple[Cell, ...]] = {
     "presets": (Cell(("niah_multikey_1",), ALL_METHODS, Plan(lengths=(4096,), samples=20)),),
     "presets-1k": (Cell(("niah_single_2",), ALL_METHODS, Plan(lengths=(1024,), samples=10)),),
     "lines": (Cell(("lines",), MAIN_METHODS, Plan(lines=(100, 200, 400, 600), samples=10), ("serving", "generate")),),
+    "copy": (Cell(("niah_multikey_2",), COPY_METHODS, Plan(lengths=(4096,), samples=10)),
+             Cell(("lines",), COPY_METHODS, Plan(lines=(20, 50), samples=10))),
 }
 PLANS["full"] = PLANS["main"] + PLANS["presets"] + PLANS["lines"]  # presets-1k stays apart: another size
 
