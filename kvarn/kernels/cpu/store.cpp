@@ -84,7 +84,7 @@ struct Config {
 // power-of-two blocks (binary expansion of d, largest first), each a butterfly (a + b, a - b) with h = 1, 2, 4, ...
 // then divided by sqrt(block). Whole rows at a time, so the butterflies are vector operations over the n vectors.
 template <typename T_>
-void fwht_rows(T_* T, int d, int n, bool normalize = true) {
+void fwht_rows(T_* T, int d, int n) {
   int off = 0;
   for (int bit = 30; bit >= 0; --bit) {
     if (!((d >> bit) & 1)) continue;
@@ -103,9 +103,8 @@ void fwht_rows(T_* T, int d, int n, bool normalize = true) {
           }
         }
     const T_ s = static_cast<T_>(std::sqrt(static_cast<double>(m)));
-    if (normalize)
 #pragma omp simd
-      for (int k = 0; k < m * n; ++k) v[k] /= s;
+    for (int k = 0; k < m * n; ++k) v[k] /= s;
     off += m;
   }
 }
@@ -756,10 +755,6 @@ at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, dou
   const float* sp = sigma.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t dd = static_cast<int64_t>(D) * D;
-  std::vector<double> norm(D);
-  for (int bit = 30, off = 0; bit >= 0; --bit)  // fwht_rows' power-of-two blocks: 1 / sqrt(block) per row
-    if ((D >> bit) & 1)
-      for (int m = 1 << bit; m > 0; --m) norm[off++] = 1.0 / std::sqrt(static_cast<double>(1 << bit));
   std::vector<int64_t> first;  // the first tile of each run of equal matrices
   for (int64_t n = 0; n < N; ++n)
     if (n == 0 || std::memcmp(sp + n * dd, sp + (n - 1) * dd, dd * sizeof(float)) != 0) first.push_back(n);
@@ -770,13 +765,12 @@ at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, dou
       const int64_t n = first[job / B];
       const int b = static_cast<int>(job % B);
       for (int64_t k = 0; k < dd; ++k) S[k] = sp[n * dd + k];
-      if (bases[b]) {  // H Sigma H: rows mixed, transposed, rows mixed again; each block's 1/sqrt(m) once at the end
-        fwht_rows(S.data(), D, D, false);
+      if (bases[b]) {  // H Sigma H: rows mixed (H Sigma), transposed (Sigma H, Sigma symmetric), rows mixed again
+        fwht_rows(S.data(), D, D);
         for (int i = 0; i < D; ++i)
           for (int j = 0; j < D; ++j) T[j * D + i] = S[i * D + j];
-        fwht_rows(T.data(), D, D, false);
-        for (int i = 0; i < D; ++i)
-          for (int j = 0; j < D; ++j) S[i * D + j] = T[i * D + j] * (norm[i] * norm[j]);
+        fwht_rows(T.data(), D, D);
+        std::swap(S, T);
       }
       coefficients_of(S.data(), damp, op + (n * B + b) * dd, A.data(), V.data(), v.data(), D);
     }

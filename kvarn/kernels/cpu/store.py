@@ -69,7 +69,7 @@ def store_tiles(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel
     (`Tiles.finite_tiles`). weight [N, D]: the policy's channel weights (None: unweighted squared error); rotate:
     `kvarn.ops.codes.Rotation`; scale_code, col_code: `DTYPE_CODES`; relative: `relative_col_scales`. coef
     [N, B, D, D] (keys): query-aware rounding's coefficients per tile and basis (B = 2 under rotate="auto", the rotated
-    basis first; `kvarn.ops.rtn.query_aware_coefficients`), None: nearest rounding."""
+    basis first; the seat `kvarn::query_aware_coefficients`), None: nearest rounding."""
     w = _EMPTY
     if weight is not None:
         w = weight if weight.dtype == torch.float32 and weight.is_contiguous() else weight.float().contiguous()
