@@ -45,6 +45,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout
 
+from kvarn.integrations.vllm.budget import BudgetState, class_counts, class_spec_bytes, extra_page_bytes, step_layer
 from kvarn.integrations.vllm.config import Settings, check_engine, settings_of
 from kvarn.integrations.vllm.layout import (
     FP_SHARE_MAX,
@@ -194,6 +195,34 @@ def cap_max_num_seqs(cfg: Any, seqs: int) -> None:
         sched.max_num_seqs = seqs
 
 
+def install_spec_hook() -> None:
+    """Budget presets (`budget`): the kvarn layers' pages come in width classes, assigned in layer order, and vLLM's
+    `customize_spec` is not told which layer it serves; so the model runner's spec dict (layer name -> spec, model
+    order), which the engine core sizes each layer's tensor from, gets each kvarn layer's class bytes
+    (`budget.class_spec_bytes`). Installed once per worker process, when a budget preset's layers are built; a
+    no-op for runs without one."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner.get_kv_cache_spec
+    if getattr(original, "kvarn_hook", False):
+        return
+
+    def get_kv_cache_spec(runner: Any) -> dict:
+        specs = original(runner)
+        s = settings_of(runner.vllm_config)
+        ours = {n: spec for n, spec in specs.items() if isinstance(spec, KVarNAttentionSpec)}
+        if s is None or s.preset.key_high is None or not ours:
+            return specs
+        first = next(iter(ours.values()))
+        dtype = runner.vllm_config.model_config.dtype
+        e = first.state_content_bytes - TileLayout(s.preset, first.head_size, dtype).c0
+        sizes = class_spec_bytes(ours, s.preset, e, dtype)
+        return {n: replace(spec, state_content_bytes=sizes[n]) if n in sizes else spec for n, spec in specs.items()}
+
+    get_kv_cache_spec.kvarn_hook = True  # type: ignore[attr-defined]
+    GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
+
+
 def window_page_bytes(cfg: Any, tile: int) -> int:
     """What one block costs in the sliding-window layers (vLLM's own pages, K and V in the model dtype)."""
     itemsize = cfg.model_config.dtype.itemsize
@@ -212,6 +241,8 @@ def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> tu
         cfg.parallel_config)
     other = window_page_bytes(cfg, s.tile)
     lay = TileLayout(s.preset, head_dim, cfg.model_config.dtype)
+    if s.preset.key_high is not None:  # the wider key pages of a budget preset (`budget.page_classes`)
+        other += extra_page_bytes(s.preset, layers, num_kv_heads, head_dim, cfg.model_config.dtype)
     sched = cfg.scheduler_config
     if s.fp_slots:  # asked for: exactly that pool, or a refusal
         geo, seqs = choose_geometry(lay, num_kv_heads, layers, budget, s.fp_slots, other), sched.max_num_seqs
@@ -225,7 +256,9 @@ def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> tu
            f"{geo.tokens_ratio_vs_bf16():.2f}x the tokens of a bf16 cache per byte; a running sequence holds {seq} fp "
            f"blocks per layer ({seq * lay.fp_bytes * num_kv_heads * layers / 2**20:.2f} MiB over {layers} layers), "
            f"the pool {geo.fp_slots(num_blocks_in(geo, layers, budget, other))} per layer"
-           + (f"; {len(attn) - layers} sliding-window layers kept by vLLM" if other else ""))
+           + (f"; {len(attn) - layers} sliding-window layers kept by vLLM" if window_page_bytes(cfg, s.tile) else "")
+           + (f"; key pages by layer: {class_counts(s.preset, layers, head_dim)} (budget preset: key widths "
+              "chosen on the first request long enough)" if s.preset.key_high is not None else ""))
     if msg not in _LOGGED:  # customize_spec runs once per layer
         _LOGGED.add(msg)
         log.info(msg)
@@ -257,6 +290,7 @@ class KVarNMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     plan: StepPlan
+    budget: BudgetState | None = None  # budget presets: the engine's key allocation and the pools it binds
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
@@ -275,44 +309,81 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         self.settings = _settings(vllm_config)
         check_engine(vllm_config, self.settings)
         self.vllm_config = vllm_config
-        self.table: SlotTable | None = None
         self.stats_path = stats_path()
 
-    def _slot_table(self) -> SlotTable:
-        if self.table is None:
-            cfg, s = self.vllm_config, self.settings
-            ctx = cfg.compilation_config.static_forward_context[self.layer_names[0]]
-            kv = ctx.kv_cache if isinstance(ctx.kv_cache, torch.Tensor) else ctx.kv_cache[0]
-            spec = self.kv_cache_spec
-            lay = TileLayout(s.preset, spec.head_size, cfg.model_config.dtype)
-            geo = PageGeometry(lay, spec.num_kv_heads, kv.shape[-1] - lay.c0)
-            n_slots = geo.fp_slots(kv.shape[0])
-            need = default_fp_slots(s, cfg.scheduler_config.max_num_seqs)
-            if n_slots < need:
-                raise ValueError(f"kvarn: vLLM allocated {kv.shape[0]} blocks, whose fp pool share holds {n_slots} "
-                                 f"full-precision blocks per layer; {need} are needed for max_num_seqs="
-                                 f"{cfg.scheduler_config.max_num_seqs}; lower max_num_seqs or raise the KV budget")
-            log.info("kvarn: %d blocks of %d tokens, fp pool of %d blocks per layer", kv.shape[0], lay.tile, n_slots)
-            self.table = SlotTable(n_slots, lay.tile, s.sink_blocks)
-        return self.table
+    def _shared(self) -> SharedPool:
+        """The fp pool's slot table (and a budget preset's key allocation) of this engine: one per worker process,
+        shared by every kvarn builder (vLLM makes one per attention group; a budget preset's page classes make three
+        groups)."""
+        cfg = self.vllm_config
+        key = id(cfg)
+        if key not in _SHARED:
+            _SHARED[key] = (cfg, _make_shared(cfg, self.settings, self.kv_cache_spec))
+        return _SHARED[key][1]
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVarNMetadata:
         m = common_attn_metadata
-        n = m.num_reqs
-        qsl = m.query_start_loc_cpu[:n + 1].tolist()
-        seq = m.seq_lens[:n].cpu().tolist()
-        g = self.settings.tile
-        rows = [(qsl[i], qsl[i + 1]) for i in range(n)]
-        computed = [seq[i] - (qsl[i + 1] - qsl[i]) for i in range(n)]
-        bt = m.block_table_tensor.cpu()
-        block_rows = [bt[i, :-(-seq[i] // g)].tolist() for i in range(n)]
-        table = self._slot_table()
-        plan = table.plan(rows, computed, seq, block_rows)
-        if self.stats_path:
-            write_stats(self.stats_path, table.stats())
+        shared = self._shared()
+        if shared.last is not None and shared.last[0] is m:  # another attention group of this step: one plan
+            plan = shared.last[1]
+        else:
+            n = m.num_reqs
+            qsl = m.query_start_loc_cpu[:n + 1].tolist()
+            seq = m.seq_lens[:n].cpu().tolist()
+            g = self.settings.tile
+            rows = [(qsl[i], qsl[i + 1]) for i in range(n)]
+            computed = [seq[i] - (qsl[i + 1] - qsl[i]) for i in range(n)]
+            bt = m.block_table_tensor.cpu()
+            block_rows = [bt[i, :-(-seq[i] // g)].tolist() for i in range(n)]
+            plan = shared.table.plan(rows, computed, seq, block_rows)
+            shared.last = (m, plan)  # vLLM hands every attention group of a step the same object
+            if self.stats_path:
+                write_stats(self.stats_path, shared.table.stats())
         return KVarNMetadata(m.num_actual_tokens, m.max_query_len, m.max_seq_len, m.query_start_loc, m.seq_lens,
-                             m.block_table_tensor, m.slot_mapping, plan)
+                             m.block_table_tensor, m.slot_mapping, plan, shared.budget)
+
+
+@dataclass
+class SharedPool:
+    """What the kvarn builders of one engine (worker process) share: the slot table, a budget preset's key allocation,
+    and the latest step's plan with the metadata object it was built from."""
+
+    table: SlotTable
+    budget: BudgetState | None
+    last: tuple[Any, StepPlan] | None = None
+
+
+_SHARED: dict[int, tuple[Any, SharedPool]] = {}  # id(vllm config) -> (the config, kept alive; its pool)
+
+
+def _make_shared(cfg: Any, s: Settings, spec: AttentionSpec) -> SharedPool:
+    names = [n for n, a in get_layers_from_vllm_config(cfg, Attention).items() if a.sliding_window is None]
+    tensors = [_layer_tensor(cfg, name) for name in names]
+    kv = tensors[0]
+    lay = TileLayout(s.preset, spec.head_size, cfg.model_config.dtype)
+    # a budget preset's tensors differ in their packed part (`budget.page_classes`), not in the share
+    e = (page_geometry(cfg, s, spec.num_kv_heads, spec.head_size)[0].e if s.preset.key_high is not None
+         else kv.shape[-1] - lay.c0)
+    n_slots = PageGeometry(lay, spec.num_kv_heads, e).fp_slots(kv.shape[0])
+    need = default_fp_slots(s, cfg.scheduler_config.max_num_seqs)
+    if n_slots < need:
+        raise ValueError(f"kvarn: vLLM allocated {kv.shape[0]} blocks, whose fp pool share holds {n_slots} "
+                         f"full-precision blocks per layer; {need} are needed for max_num_seqs="
+                         f"{cfg.scheduler_config.max_num_seqs}; lower max_num_seqs or raise the KV budget")
+    log.info("kvarn: %d blocks of %d tokens, fp pool of %d blocks per layer", kv.shape[0], lay.tile, n_slots)
+    table = SlotTable(n_slots, lay.tile, s.sink_blocks)
+    bud = None
+    if s.preset.key_high is not None:
+        bud = BudgetState(s.preset, names, tensors, spec.head_size, e, cfg.model_config.dtype, table)
+        table.keep_sinks, table.on_full = True, bud.decide_unscored
+    return SharedPool(table, bud)
+
+
+def _layer_tensor(cfg: Any, name: str) -> torch.Tensor:
+    """The uint8 page tensor vLLM bound to layer `name`."""
+    kv = cfg.compilation_config.static_forward_context[name].kv_cache
+    return kv if isinstance(kv, torch.Tensor) else kv[0]
 
 
 class WindowImpl(CPUAttentionBackendImpl):
@@ -366,6 +437,8 @@ class KVarNAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         _remember_config()
         self.settings = _settings()
+        if self.settings.preset.key_high is not None:
+            install_spec_hook()
         self._pool: LayerPool | None = None
         self._pool_key: int | None = None
 
@@ -387,9 +460,13 @@ class KVarNAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # profiling / warm-up runs
             return output
         n = attn_metadata.num_actual_tokens
-        pool = self._layer_pool(kv_cache, query.dtype)
         name = getattr(layer, "layer_name", "?")
+        plan, bud = attn_metadata.plan, attn_metadata.budget
+        if bud is not None:  # a budget preset: the engine's key allocation binds this layer's pool
+            step_layer(bud, name, plan, query[:n], key[:n], value[:n], output[:n], self.scale, self.softcap)
+            return output
+        pool = self._layer_pool(kv_cache, query.dtype)
         observe_queries(pool, query[:n])  # kvarn-auto: before this step's key tiles are quantized
-        exact = write_step(pool, attn_metadata.plan, key[:n], value[:n], name)
-        attend_step(pool, attn_metadata.plan, query[:n], output[:n], exact, self.scale, self.softcap, name)
+        exact = write_step(pool, plan, key[:n], value[:n], name)
+        attend_step(pool, plan, query[:n], output[:n], exact, self.scale, self.softcap, name)
         return output

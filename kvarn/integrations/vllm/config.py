@@ -8,7 +8,8 @@ Keys of the "kvarn" mapping:
     preset       a kvarn preset of the affine family (kvarn-auto, the default kvarn-auto-k2v2-g128, with its rotation
                  chosen per tile from running query statistics (`paged`), and its `-qar` versions, keys rounded with
                  the running E[q q^T]; kvarn, rtn, hadamard, varn; k2v2/k4v2/k4v4; g128/g64): one vLLM block = one
-                 tile of G tokens
+                 tile of G tokens; or a budget preset (kvarn-b2.5, kvarn-b3.0 and their -qar versions: key widths
+                 per layer, one allocation per engine chosen online, `budget`)
     sink         tokens kept exact at the start of every sequence (default: the preset's, 128); a multiple of G
     fp_slots     full-precision blocks per layer for sinks and blocks being filled, carved from the KV budget
                  (default: sized from the budget, `layout.choose_pool`: (sink/G + 2) * max_num_seqs, what the running
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvarn.cache.allocation import OUTPUT_ROWS
 from kvarn.presets import Preset, get_preset
 from kvarn.quant.affine import AffineQuantizer
 
@@ -66,9 +68,13 @@ def check_preset(preset: Preset) -> None:
         raise ValueError(f"kvarn: preset {preset.name!r} is a baseline; the vLLM backend runs the affine family "
                          "(kvarn, rtn, hadamard, varn)")
     if preset.key_high is not None:
-        raise ValueError(f"kvarn: preset {preset.name!r} is a budget preset (key bits per layer chosen online per "
-                         "request), which the vLLM backend does not implement yet: its pages hold one code width per "
-                         "layer for all requests; use a kvarn-auto-k*v*-g* or kvarn-k*v*-g* preset")
+        widths = [preset.key_high(64), *([] if preset.key_mid is None else [preset.key_mid(64)])]
+        if not all(isinstance(q, AffineQuantizer) and q.tile == kq.tile for q in widths):
+            raise ValueError(f"kvarn: budget preset {preset.name!r} promotes keys to a quantizer the vLLM backend "
+                             "does not run (it needs the affine family at the preset's tile)")
+        if kq.tile != OUTPUT_ROWS:
+            raise ValueError(f"kvarn: budget preset {preset.name!r} has tiles of {kq.tile} tokens; the vLLM backend "
+                             f"scores a layer's first tile with that tile's own queries, which needs {OUTPUT_ROWS}")
     policy = preset.policy
     if policy.value_window != "block" or any(policy.fp_layers) or policy.key_pre_rope:
         raise ValueError(f"kvarn: preset {preset.name!r} needs a sliding value window, full-precision layers or "
@@ -114,5 +120,8 @@ def check_engine(vllm_config: Any, settings: Settings) -> None:
         raise ValueError(f"kvarn: vLLM's block size must equal the preset's tile ({settings.tile} tokens), got "
                          f"block_size={cache.block_size}; pass block_size={settings.tile}")
     pc = vllm_config.parallel_config
+    if settings.preset.key_high is not None and getattr(pc, "pipeline_parallel_size", 1) > 1:
+        raise ValueError("kvarn: budget presets choose key widths over all of a model's layers at once; pipeline "
+                         "parallelism splits them over processes: not supported")
     if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
         raise ValueError("kvarn: context parallelism is not supported")

@@ -3,7 +3,8 @@
 vLLM views each layer's cache as uint8 [num_blocks, H, N = G, C] (layout LBHNC): per block and KV head a run of G*C
 bytes. kvarn splits that run in two:
 
-    [0, G*c0)          the packed tile of this head: key fields then value fields (`TileLayout.fields`), zero padded;
+    [0, G*c0)          the packed tile of this head: key fields then value fields (`TileLayout.fields`; budget presets:
+                       value fields first, `budget`), zero padded;
                        under rotate="auto" (kvarn-auto presets) each tile's `rotated` flag (one uint8, the basis it was
                        stored in) is one of those fields, so the page bytes vLLM accounts for hold it
     [G*c0, G*C)        a share of the full-precision pool, e = C - c0 bytes per token slot
@@ -42,19 +43,26 @@ def _ceil(a: int, b: int) -> int:
 class TileLayout:
     """Where each packed field of a (keys, values) tile pair sits in a head's run of a page: the key tile's
     `AffineFormat.offsets` from 0, then the value tile's from where the keys end (each field aligned to its
-    itemsize)."""
+    itemsize). Budget presets (key width per layer, `budget`): `key_q` the layer's key quantizer, and the value tile
+    first, so its fields sit at the same offsets whatever the key width (values stored before the engine's key
+    allocation is decided stay where they are)."""
 
-    def __init__(self, preset: Preset, head_dim: int, fp_dtype: torch.dtype) -> None:
+    def __init__(self, preset: Preset, head_dim: int, fp_dtype: torch.dtype,
+                 key_q: AffineQuantizer | None = None) -> None:
         self.preset, self.head_dim, self.fp_dtype = preset, head_dim, fp_dtype
         self.tile = g = preset.tile
         self.key_q, self.value_q = preset.quantizers(head_dim)
+        if key_q is not None:
+            self.key_q = key_q
         for q in (self.key_q, self.value_q):
             if not isinstance(q, AffineQuantizer):
                 raise TypeError(f"kvarn's vLLM pages hold AffineQuantizer tiles, not {type(q).__name__}")
         self.formats: dict[str, AffineFormat] = {"keys": self.key_q.format(head_dim),
                                                  "values": self.value_q.format(head_dim)}
+        order = ("values", "keys") if preset.key_high is not None else ("keys", "values")
         fields, at = [], 0
-        for kind, fmt in self.formats.items():
+        for kind in order:
+            fmt = self.formats[kind]
             for f, offset in fmt.offsets(at):
                 fields.append(Field(kind, f.name, f.shape, f.dtype, offset, f.nbytes))
                 at = offset + f.nbytes
@@ -89,15 +97,26 @@ class TileLayout:
 
 @dataclass(frozen=True)
 class PageGeometry:
-    """One layer's page: C bytes per token slot per head, of which e belong to the fp pool."""
+    """One layer's page: C bytes per token slot per head, of which e belong to the fp pool; the packed part c0 is the
+    layout's, or more (`packed`: a budget preset's page class, whose tiles may be narrower than it holds)."""
 
     layout: TileLayout
     num_kv_heads: int
     e: int
+    packed: int | None = None  # packed bytes per token slot, >= layout.c0 (None: layout.c0)
+
+    def __post_init__(self) -> None:
+        if self.packed is not None and self.packed < self.layout.c0:
+            raise ValueError(f"kvarn: a page class of {self.packed} packed bytes per token slot cannot hold tiles "
+                             f"of {self.layout.c0}")
+
+    @property
+    def c0(self) -> int:
+        return self.layout.c0 if self.packed is None else self.packed
 
     @property
     def c(self) -> int:
-        return self.layout.c0 + self.e
+        return self.c0 + self.e
 
     @property
     def page_bytes(self) -> int:

@@ -62,6 +62,7 @@ kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or pla
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,7 @@ from kvarn.attention import launch as kernel
 from kvarn.attention.packed import KVarNPast, allowed, decodes_past, packed_attention
 from kvarn.attention.view import StoredKV
 from kvarn.cache.store import fits_dtype
-from kvarn.integrations.vllm.pool import LayerPool, RequestPlan, StepPlan
+from kvarn.integrations.vllm.pool import Held, LayerPool, RequestPlan, StepPlan
 from kvarn.ops import dispatch
 from kvarn.ops.decode import indexed_rows
 from kvarn.quant.policy import kernel_weighted
@@ -160,10 +161,12 @@ def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
         e.accumulate(total, kept * (hq // h))
 
 
-def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
-               layer: str) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor, layer: str,
+               hold: Callable[[list[Held]], None] | None = None) -> dict[tuple[int, int], tuple[torch.Tensor,
+                                                                                              torch.Tensor]]:
     """Store the step's key/value [T, H, D]; returns the exact rows (K, V [H, t, D]) of every block touched, keyed by
-    (request, logical block)."""
+    (request, logical block). `hold` (a budget preset before its key allocation, `budget.BudgetState.hold`):
+    completed tiles store their values only; the keys of sink blocks wait in their slots, the others go to hold."""
     lay = pool.layout
     g, fp = lay.tile, lay.fp_dtype
     exact: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -206,7 +209,12 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
             pool.write_slot(s, slot)
     if done_blocks:
         k, v = torch.stack(done_k), torch.stack(done_v)
-        bad = _store_tiles(pool, k, v, done_blocks)
+        kinds = ("keys", "values")
+        if hold is not None:
+            kinds = ("values",)
+            hold([Held(b, k[t], v[t]) for t, (b, (_, j)) in enumerate(zip(done_blocks, done_where))
+                  if j >= plan.sink_blocks])
+        bad = store_tiles(pool, k, v, done_blocks, kinds)
         for t in bad.nonzero().flatten().tolist():
             p, j = done_where[t]
             if p.slots[j] is None:
@@ -222,10 +230,12 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
     return exact
 
 
-def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list[int]) -> torch.Tensor:
-    """k, v [n, H, G, D] complete tiles -> packed fields of blocks (quantized once, never again). Returns [n] bool:
-    the blocks with a tile (any head, keys or values) that cannot be quantized, whose packed fields are zeroed (so
-    nothing non-finite is ever read from them) and which the caller keeps exact."""
+def store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list[int],
+                kinds: tuple[str, ...] = ("keys", "values")) -> torch.Tensor:
+    """k, v [n, H, G, D] complete tiles -> packed fields of blocks (quantized once, never again; `kinds`: keys and
+    values, or one of them). Returns [n] bool: the blocks with a tile (any head, of those kinds) that cannot be
+    quantized, whose packed fields (of those kinds) are zeroed (so nothing non-finite is ever read from them) and
+    which the caller keeps exact."""
     lay = pool.layout
     n, h = k.shape[:2]
     packs = []
@@ -235,10 +245,13 @@ def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list
     w = None if pool.queries is None else pool.queries.key_weight()  # [1, H, D] (or [1, H, D, D])
     kw = None if w is None else w.expand(n, h, *w.shape[2:]).reshape(n * h, *w.shape[2:])
     idx = torch.tensor(blocks, dtype=torch.long, device=k.device)
-    if decode_kernel(k.device) == "triton" and _triton_store(pool):
+    if decode_kernel(k.device) == "triton" and len(kinds) == 2 and _triton_store(pool):
         return _store_triton(pool, k, v, kw, idx)
     ok = torch.ones(n, dtype=torch.bool, device=k.device)
-    for q, x, weight in ((lay.key_q, k, kw), (lay.value_q, v, None)):
+    todo = [(q, x, weight, fields) for kind, q, x, weight, fields in (
+        ("keys", lay.key_q, k, kw, pool.key_fields), ("values", lay.value_q, v, None, pool.value_fields))
+        if kind in kinds]
+    for q, x, weight, _ in todo:
         flat = x.flatten(0, 1)
         packed, finite, scale_ok = q.encode_tiles(flat, weight)  # non-finite tiles encoded as zeros
         ok &= fits_dtype(q, packed, flat, finite & scale_ok, x.dtype).view(n, h).all(1)
@@ -247,8 +260,7 @@ def _store_tiles(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, blocks: list
     if bad.any():
         drop = bad.repeat_interleave(h)
         packs = [p.zeroed(drop) for p in packs]
-    kp, vp = packs
-    for fields, packed in ((pool.key_fields, kp), (pool.value_fields, vp)):
+    for (_, _, _, fields), packed in zip(todo, packs):
         new = packed.tensors()
         for name, view in fields.items():
             view[idx] = new[name].unflatten(0, (n, h))
@@ -275,7 +287,7 @@ def _triton_store(pool: LayerPool) -> bool:
 
 def _store_triton(pool: LayerPool, k: torch.Tensor, v: torch.Tensor, kw: torch.Tensor | None,
                   idx: torch.Tensor) -> torch.Tensor:
-    """`_store_tiles` by the Triton store kernel, straight into the pool's fields at blocks idx; then the same test
+    """`store_tiles` by the Triton store kernel, straight into the pool's fields at blocks idx; then the same test
     as `encode_tiles` + `fits_dtype` on what was written (non-finite tiles encoded as zeros)."""
     from kvarn.kernels.triton import ops
 
@@ -330,11 +342,26 @@ def exact_tiles(pool: LayerPool, plan: StepPlan, p: RequestPlan, layer: str, ns:
     return index, kv[:, :, 0].flatten(0, 1), kv[:, :, 1].flatten(0, 1)
 
 
+def held_tiles(plan: StepPlan, p: RequestPlan, layer: str, ns: int,
+               j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The key tiles among blocks [ns, j) held aside exact in this layer (`StepPlan.held`: a budget preset's deciding
+    step) and not kept exact: (index [k, 3] (0, head, tile - ns), keys [k, G, D]), or None."""
+    held = plan.held.get(layer)
+    if not held:
+        return None
+    tiles = [t for t in range(ns, j) if p.blocks[t] in held and not plan.exact_in(layer, p.blocks[t])]
+    if not tiles:
+        return None
+    h = held[p.blocks[tiles[0]]].shape[0]
+    index = torch.tensor([(0, hh, t - ns) for t in tiles for hh in range(h)], dtype=torch.long)
+    return index, torch.stack([held[p.blocks[t]] for t in tiles]).flatten(0, 1)
+
+
 def past_view(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, dtype: torch.dtype,
               plan: StepPlan | None = None, layer: str = "") -> tuple[StoredKV, StoredKV] | None:
     """Keys and values of logical blocks [0, j) as kvarn's attention reads them: exact sink blocks from their fp
     slots (up to the first one whose exact copy was evicted), then packed tiles gathered through the block table,
-    those kept exact in this layer restored from their slots."""
+    those kept exact in this layer restored from their slots, and the keys held aside (`held_tiles`) exact."""
     if j == 0:
         return None
     lay = pool.layout
@@ -343,11 +370,15 @@ def past_view(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, dtype: 
     idx = torch.tensor(p.blocks[ns:j], dtype=torch.long)
     h = pool.geo.num_kv_heads
     ex = None if plan is None else exact_tiles(pool, plan, p, layer, ns, j)
+    held = None if plan is None else held_tiles(plan, p, layer, ns, j)
     views = []
     for i, (fields, q) in enumerate(((pool.key_fields, lay.key_q), (pool.value_fields, lay.value_q))):
         packed = fields.select(idx).map(lambda v: v.transpose(0, 1)[None]) if len(idx) else Tiles()
-        views.append(StoredKV(None if sink is None else sink[i], packed, len(idx), None,
-                              _NO_EXACT if ex is None else ex[0], None if ex is None else ex[1 + i], q,
+        index, rows = (_NO_EXACT, None) if ex is None else (ex[0], ex[1 + i])
+        if held is not None and i == 0:  # keys only: the values of those tiles are stored
+            index = held[0] if rows is None else torch.cat([index, held[0]])
+            rows = held[1] if rows is None else torch.cat([rows, held[1].to(rows.dtype)])
+        views.append(StoredKV(None if sink is None else sink[i], packed, len(idx), None, index, rows, q,
                               (1, h, lay.head_dim), dtype))
     return views[0], views[1]
 
@@ -359,6 +390,8 @@ def fused_piece(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, q: to
     exact rows k, v [1, H, t, D], over blocks < j read in place through the block table; None when this piece takes
     the PyTorch path (`fused.take`: KVARN_KERNEL, the queries, the quantizers, no packed block)."""
     if fused.mode() == "torch" or q.shape[2] > fused.MAX_QUERIES:  # prefill pieces: PyTorch under every mode
+        return None
+    if plan is not None and plan.held.get(layer):  # keys held aside exact (a budget preset's deciding step)
         return None
     lay = pool.layout
     sink = _sink_rows(pool, p, j, sink_blocks, k.dtype) if j else None  # the kernel reads fp16/bf16 rows as they are

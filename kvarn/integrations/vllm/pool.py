@@ -64,9 +64,22 @@ class StepPlan:
     exact: dict[int, set[str]] = field(default_factory=dict)
     take_exact: Callable[[int], int] | None = None  # block -> its slot, taken if it has none (`SlotTable.take_exact`)
     batches: dict = field(default_factory=dict)  # pool geometry -> paged.DecodeBatch | None, built by the first layer
+    # budget presets, the step deciding the key allocation: layer -> block -> exact keys [H, G, D] of the key tiles
+    # completed in it, stored once decided (`budget`); attention reads them exact
+    held: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def exact_in(self, layer: str, block: int) -> bool:
         return layer in self.exact.get(block, ())
+
+
+@dataclass
+class Held:
+    """A budget preset's key tile kept aside in the step deciding the key allocation (`budget`): its block and exact
+    rows K, V [H, G, D] (its values are stored; the rows keep the block exact if its keys cannot be quantized)."""
+
+    block: int
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 SEQ_FP_BLOCKS = 2  # fp blocks per running sequence besides its sink blocks: the block being filled, one completing
@@ -128,6 +141,10 @@ class SlotTable:
         self.evictions = 0
         self._in_use: set[int] = set()  # blocks the current step reads or writes (not evictable during it)
         self._warned = False
+        # budget presets before their key allocation: sink blocks have no packed key copy yet, so their slots are
+        # not evicted; `on_full` (which decides without scores) runs when only such slots could be
+        self.keep_sinks = False
+        self.on_full: Callable[[], None] | None = None
 
     def _release(self, block: int) -> None:
         s = self.slot_of.pop(block, None)
@@ -139,8 +156,10 @@ class SlotTable:
 
     def _take(self, block: int, in_use: set[int]) -> int:
         if not self.free:
-            idle = [b for b in self.slot_of if b not in in_use and b not in self.exact]  # an exact block has no
-            # other faithful copy: it keeps its slot until vLLM reuses the block
+            idle = self._idle(in_use)
+            if not idle and self.keep_sinks and self.on_full is not None:
+                self.on_full()  # decides; the sinks get their packed copies and may go
+                idle = self._idle(in_use)
             if not idle:
                 raise RuntimeError(f"kvarn: all {self.n_slots} full-precision blocks are in use by running sequences; "
                                    "raise additional_config kvarn.fp_slots or lower max_num_seqs")
@@ -150,6 +169,12 @@ class SlotTable:
         s = self.free.pop()
         self.slot_of[block] = s
         return s
+
+    def _idle(self, in_use: set[int]) -> list[int]:
+        """Evictable blocks: an exact block has no other faithful copy (it keeps its slot until vLLM reuses the
+        block), nor a sink before a budget preset's allocation (`keep_sinks`)."""
+        return [b for b in self.slot_of if b not in in_use and b not in self.exact
+                and not (self.keep_sinks and b in self.sink)]
 
     def stats(self) -> PoolStats:
         """The table's state now (`PoolStats`); O(held) set arithmetic, cheap enough for every step."""
@@ -242,7 +267,7 @@ class LayerPool:
                              f"[num_blocks, {geo.num_kv_heads}, {lay.tile}, {geo.c}]")
         self.geo, self.layout = geo, lay
         self.runs = kv_cache.flatten(2)  # [num_blocks, H, G*C]: a view (N and C are contiguous inside a head)
-        split = lay.tile * lay.c0
+        split = lay.tile * geo.c0
         self.packed = self.runs[:, :, :split]
         self.k = geo.blocks_per_slot
         self.n_slots = nb // self.k

@@ -334,13 +334,13 @@ def test_block_kept_exact_in_a_full_pool_evicts_an_idle_slot(e_index: int, read_
 
 
 def test_unquantizable_tile_marks_whole_block_and_zeroes_packed_fields() -> None:
-    """`_store_tiles` flags the block of a bad tile (any head, keys or values) and zeroes its packed fields; the
+    """`store_tiles` flags the block of a bad tile (any head, keys or values) and zeroes its packed fields; the
     other blocks are stored as the quantizer encodes them."""
     gen = torch.Generator().manual_seed(17)
     eng = Engine()
     k, v = torch.randn(3, H, G, D, generator=gen), torch.randn(3, H, G, D, generator=gen)
     v[1, 1, 4, 2] = float("nan")
-    bad = paged._store_tiles(eng.pool, k, v, [4, 7, 9])
+    bad = paged.store_tiles(eng.pool, k, v, [4, 7, 9])
     assert bad.tolist() == [False, True, False]
     assert not eng.pool.packed[7].any()
     ref = eng.lay.key_q.encode(k[2])
@@ -521,16 +521,18 @@ def test_batched_decode_equals_per_request_kernel_calls(sink_blocks: int, monkey
             torch.testing.assert_close(ob[rid], orq[rid], rtol=1e-5, atol=1e-5, msg=f"request {rid}")
 
 
-@pytest.mark.parametrize(("name", "why"), [("kvarn-b2.5", "budget preset"), ("kvarn-b3.0", "budget preset"),
-                                           ("kivi-k2v2-g128", "baseline"), ("fp16", "does not quantize")])
+@pytest.mark.parametrize(("name", "why"), [("kivi-k2v2-g128", "baseline"), ("fp16", "does not quantize"),
+                                           ("kvarn-b2.5@64", "tiles of 64 tokens")])
 def test_presets_the_backend_does_not_run_are_refused_by_name(name: str, why: str) -> None:
     from kvarn.integrations.vllm.config import check_preset
     from kvarn.presets import get_preset
+    from kvarn.presets.family import budget_preset
 
+    preset = budget_preset(2.5, tile=64, name=name) if "@" in name else get_preset(name)
     with pytest.raises(ValueError, match=f"{name}.*{why}"):
-        check_preset(get_preset(name))
-    for ok in ("kvarn-k2v2-g128", "kvarn-auto-k2v2-g128", "kvarn-auto-k4v2-g128"):  # the family it runs passes
-        check_preset(get_preset(ok))
+        check_preset(preset)
+    for ok in ("kvarn-k2v2-g128", "kvarn-auto-k2v2-g128", "kvarn-auto-k4v2-g128", "kvarn-b2.5", "kvarn-b3.0-qar"):
+        check_preset(get_preset(ok))  # the families it runs pass
 
 
 def _auto_engine() -> Engine:
@@ -615,7 +617,7 @@ def test_auto_flags_live_in_the_accounted_page_bytes(name: str) -> None:
     pool = LayerPool(kv, geo)
     x = torch.randn(2, h, lay.tile, d)
     x[:, :, :, 0] *= 30
-    bad = paged._store_tiles(pool, x, x.clone(), [1, 3])
+    bad = paged.store_tiles(pool, x, x.clone(), [1, 3])
     assert not bad.any()
     if flags:
         ref = kq.encode(x.flatten(0, 1)).rotated.view(2, h)  # no queries seen: unweighted

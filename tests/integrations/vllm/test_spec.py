@@ -10,6 +10,7 @@ use" (found by `kvarn bench vllm --quick`: 12 requests in 64 MiB, a pool of 9 sl
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -39,4 +40,30 @@ def test_merged_spec_keeps_the_sequence_cap_and_caps_the_scheduler() -> None:
     cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8))
     with contextlib.suppress(AttributeError):  # the engine core's sizing call: the cap comes first, the rest of
         merged.max_memory_usage_bytes(cfg)  # the computation needs the parts of vLLM's config this stub lacks
+    assert cfg.scheduler_config.max_num_seqs == 3
+
+
+def test_budget_page_classes_form_one_group_that_still_caps_the_scheduler() -> None:
+    """A budget preset's kvarn layers have pages of three sizes (`budget.class_spec_bytes`): vLLM must still hold
+    them in ONE KV cache group (`UniformTypeKVCacheSpecs`: one block table, per-layer page sizes, the sum counted
+    per block), and its sizing call must still reach each layer's cap."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    from kvarn.integrations.vllm.budget import class_spec_bytes, page_classes
+    from kvarn.presets import get_preset
+
+    preset = get_preset("kvarn-b2.5-qar")
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(30)]
+    base = {n: _spec(3) for n in names}
+    sizes = class_spec_bytes(base, preset, 12, torch.bfloat16)
+    specs = {n: replace(s, state_content_bytes=sizes[n]) for n, s in base.items()}
+    classes = page_classes(preset, 30, 64)
+    assert len(set(sizes.values())) == 3 and [sizes[n] for n in names] == sorted(sizes.values(), reverse=True)
+    assert classes.count("high") == 5 and classes.count("mid") == 1
+    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+    assert uniform is not None and list(uniform.kv_cache_specs) == names
+    assert uniform.page_size_bytes == sum(s.page_size_bytes for s in specs.values())
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8))
+    with contextlib.suppress(AttributeError):
+        uniform.max_memory_usage_bytes(cfg)
     assert cfg.scheduler_config.max_num_seqs == 3
