@@ -258,19 +258,32 @@ class BudgetState:
             t = own if own in fits else max(fits, key=lambda t: (rank[self.page_class[t]], -t))
             free.discard(t)
             new[i] = t
+        # what holds data yet: the values of the blocks completed before the decision (sinks kept in the pool, the
+        # deciding step's tiles) and the fp slots in use; only those rows move (not whole tensors)
+        t = self.table
+        done = {b for b in t.slot_of if b in t.sink} | {h.block for held in self.held.values() for h in held}
+        k = next(iter(self.pools.values())).k
+        slots = sorted(set(t.slot_of.values()))
+        dev = self.tensors[0].device
+        blocks = torch.tensor(sorted(done), dtype=torch.long, device=dev)
+        share_blocks = (torch.tensor(slots, dtype=torch.long, device=dev)[:, None] * k
+                        + torch.arange(k, device=dev)).flatten()
         values_end = max(f.offset + f.nbytes for f in self.layouts["low"].fields if f.kind == "values")
         g = self.tile
-        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (values, share) copies
+
+        def regions(tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
+            c0 = tensor.shape[-1] - self.e
+            return tensor.flatten(2), slice(g * c0, g * (c0 + self.e))
+
+        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (values, share) rows, copies
         for i in range(n):
             if new[i] != self.bound[i]:
-                runs = self.tensors[self.bound[i]].flatten(2)
-                c0 = self.tensors[self.bound[i]].shape[-1] - self.e
-                moved[i] = (runs[:, :, :values_end].clone(), runs[:, :, g * c0:g * (c0 + self.e)].clone())
-        for i, (vals, share) in moved.items():
-            runs = self.tensors[new[i]].flatten(2)
-            c0 = self.tensors[new[i]].shape[-1] - self.e
-            runs[:, :, :values_end] = vals
-            runs[:, :, g * c0:g * (c0 + self.e)] = share
+                runs, share = regions(self.tensors[self.bound[i]])
+                moved[i] = (runs[blocks, :, :values_end], runs[share_blocks, :, share])
+        for i, (vals, rows) in moved.items():
+            runs, share = regions(self.tensors[new[i]])
+            runs[blocks, :, :values_end] = vals
+            runs[share_blocks, :, share] = rows
         self.bound = new
 
     def settle(self) -> None:

@@ -151,6 +151,10 @@ def test_budget_allocation_scores_binds_and_matches_oracle(kernel: str, monkeypa
     if kernel == "cpu" and not paged.kernel.available():
         pytest.skip("the CPU kernel cannot be built here")
     monkeypatch.setenv("KVARN_KERNEL", kernel)
+    calls: list[int] = []  # the fused kernel's calls, by key code width
+    real = paged.kernel.decode_attention
+    monkeypatch.setattr(paged.kernel, "decode_attention", lambda q, kf, *a, **k: calls.append(
+        kf.bits) or real(q, kf, *a, **k))
     eng = BudgetEngine()
     gen = torch.Generator().manual_seed(0)
     eng.add("a")
@@ -189,6 +193,9 @@ def test_budget_allocation_scores_binds_and_matches_oracle(kernel: str, monkeypa
     eng.add("c", shared_from=("b", 1))  # a prefix-cache hit on b's sink block
     eng.check(eng.step({"a": 200, "b": 1, "c": 150}, gen))
     eng.check(eng.step({"a": 1, "b": 1, "c": 1}, gen))
+    # under KVARN_KERNEL=cpu the decode rows of every width (2-, 3- and 4-bit key codes) went through the kernel
+    widths = {eng.bud.width(i) for i in range(LAYERS)}
+    assert len(set(calls)) == (len(widths) if kernel == "cpu" else 0), (calls, widths)
 
 
 def test_sink_keys_get_packed_copies_when_decided() -> None:
