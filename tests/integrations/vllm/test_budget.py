@@ -246,3 +246,20 @@ def test_page_classes_and_feasible_splits() -> None:
     assert offsets["low"] == offsets["mid"] == offsets["high"]
     assert min(f.offset for f in lay["high"].fields if f.kind == "keys") >= max(
         f.offset + f.nbytes for f in lay["high"].fields if f.kind == "values")
+
+
+def test_budget_presets_refuse_pipeline_parallelism() -> None:
+    """The allocation spans every kvarn layer of the model; pipeline stages hold some of them each."""
+    from types import SimpleNamespace
+
+    from kvarn.integrations.vllm.config import check_engine, parse
+
+    def cfg(pp: int) -> SimpleNamespace:
+        return SimpleNamespace(speculative_config=None, kv_transfer_config=None,
+                               cache_config=SimpleNamespace(block_size=128),
+                               parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
+
+    check_engine(cfg(1), parse({"preset": "kvarn-b2.5-qar"}))
+    check_engine(cfg(2), parse({"preset": "kvarn-auto-k2v2-g128"}))  # other presets: not this check's business
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        check_engine(cfg(2), parse({"preset": "kvarn-b2.5-qar"}))

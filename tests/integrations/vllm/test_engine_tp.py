@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from .engine_common import (
+    BUDGET,
     PRESET,
     equal_up_to_ties,
     kvarn,
@@ -47,14 +48,14 @@ def tiny_llama(folder: Path) -> str:
     return save_tiny(LlamaForCausalLM(cfg).to(torch.float32), folder)
 
 
-def _llm(path: str) -> dict:
+def _llm(path: str, preset: str = PRESET) -> dict:
     return {"model": path, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4, "enforce_eager": True,
-            "seed": 0, "additional_config": kvarn()}
+            "seed": 0, "additional_config": kvarn(preset)}
 
 
-def _two_ranks(name: str, path: str, ps: list[list[int]]):
+def _two_ranks(name: str, path: str, ps: list[list[int]], preset: str = PRESET):
     return run_llm(f"{name}-tp2", {"prompts": ps, "max_tokens": MAX_NEW,
-                                   "llm": {**_llm(path), "tensor_parallel_size": 2}},
+                                   "llm": {**_llm(path, preset), "tensor_parallel_size": 2}},
                    {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
 
 
@@ -88,3 +89,19 @@ def test_two_ranks_give_the_tokens_of_one_qwen() -> None:
     assert two.log.count(f"kvarn: preset {PRESET}") >= 2  # both ranks built kvarn pages (one KV head each)
     assert two.out["tokens"] == one.out["tokens"]
     record("tensor_parallel", {"qwen2.5-coder-0.5b (2 KV heads)": "tp=2 tokens == tp=1 tokens"})
+
+
+@pytest.mark.slow
+def test_two_ranks_budget_preset_tiny(tmp_path) -> None:
+    """kvarn-b2.5-qar at tensor_parallel_size=2: each rank chooses its layers' key widths on its own KV heads (one
+    allocation per rank, `kvarn.integrations.vllm.budget`), and the tokens still agree with kvarn's transformers cache
+    at the same preset (which decides per sequence on all heads) up to the near-tie rule on most positions."""
+    path = tiny_llama(tmp_path / "tiny-llama")
+    ps = prompts()[1:3]
+    two = _two_ranks("tiny-budget", path, ps, BUDGET)
+    assert two.log.count("key widths decided") == 2, two.log[-3000:]  # one allocation per rank
+    toks = two.out["tokens"]
+    logits = transformers_logits(path, [p + t for p, t in zip(ps, toks)], BUDGET, MAX_NEW, "float32")
+    equal, total = equal_up_to_ties(toks, logits)
+    record("tensor_parallel", {f"tiny-llama {BUDGET}": f"tp=2 tokens vs transformers KVarNCache: {equal}/{total}"})
+    assert equal >= 0.8 * total, (equal, total)
