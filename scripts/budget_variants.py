@@ -5,7 +5,8 @@ registered in kvarn itself. `kvarn-b{2.5,3.0}-rank` are version 2 of the registe
 first, pick "rank"); `kvarn-b{2.5,3.0}-best` are version 3, today's `kvarn-b2.5`/`kvarn-b3.0` (the split between 4-
 and 3-bit layers chosen per request, pick "best"), under the names they were measured as;
 `kvarn-auto-k2v2-g128-prerope` stores keys before RoPE; `kvarn-b{2.5,3.0}-fp8` are version 3 with e4m3 row scales
-(the bits saved buy more promoted layers). (The query-aware variants `kvarn-auto-k2v2-g128-qar` and
+(the bits saved buy more promoted layers), `kvarn-b{2.5,3.0}-fp8-qar` the same with query-aware keys. (The
+query-aware variants `kvarn-auto-k2v2-g128-qar` and
 `kvarn-b{2.5,3.0}-qar` measured from here are registered presets now: `kvarn.presets.family`.)
 
     python scripts/budget_variants.py eval tasks --model qwen2.5-coder-0.5b --tasks niah_multikey_1 --lengths 4096 \
@@ -41,6 +42,9 @@ def register_variants() -> None:
     for b in BUDGETS:  # e4m3 row scales (fp16 zero points): the 1/16 bit per element they save buys more layers
         name = f"kvarn-b{b}-fp8"
         register_preset(name, lambda b=b, name=name: budget_preset(b, pick="best", name=name,
+                                                                  scale_dtype=torch.float8_e4m3fn))
+        name = f"kvarn-b{b}-fp8-qar"  # the same with query-aware keys
+        register_preset(name, lambda b=b, name=name: budget_preset(b, pick="best", name=name, rounding="query-aware",
                                                                   scale_dtype=torch.float8_e4m3fn))
     # keys stored before RoPE (a lever of issue 20: Qwen2's k_proj bias is a per-channel constant there, which the
     # per-channel zero points absorb; after RoPE it is a per-position sinusoid); reads decode and redo RoPE

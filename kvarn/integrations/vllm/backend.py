@@ -251,9 +251,13 @@ def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> tu
                                 lambda n: default_fp_slots(s, n), other)
         cap_max_num_seqs(cfg, seqs)  # this process's copy (the slot table's check); the engine core's: the spec
     seq = seq_fp_slots(s.sink_blocks)
+    wider = other - window_page_bytes(cfg, s.tile)  # a budget preset's wider key pages, per block
+    ratio = geo.tokens_ratio_vs_bf16() * layers * geo.page_bytes / (layers * geo.page_bytes + wider)
     msg = (f"kvarn: preset {s.preset.name}, {geo.layout.tile * geo.c} bytes per head per block ({lay.packed_bytes} "
-           f"packed + {lay.tile * geo.e} fp pool share, {geo.blocks_per_slot} blocks per fp slot); "
-           f"{geo.tokens_ratio_vs_bf16():.2f}x the tokens of a bf16 cache per byte; a running sequence holds {seq} fp "
+           f"packed + {lay.tile * geo.e} fp pool share, {geo.blocks_per_slot} blocks per fp slot"
+           + (f"; 2-bit key pages, wider ones {wider // num_kv_heads} bytes more per head and block over the "
+              "layers" if wider else "")
+           + f"); {ratio:.2f}x the tokens of a bf16 cache per byte; a running sequence holds {seq} fp "
            f"blocks per layer ({seq * lay.fp_bytes * num_kv_heads * layers / 2**20:.2f} MiB over {layers} layers), "
            f"the pool {geo.fp_slots(num_blocks_in(geo, layers, budget, other))} per layer"
            + (f"; {len(attn) - layers} sliding-window layers kept by vLLM" if window_page_bytes(cfg, s.tile) else "")

@@ -30,6 +30,9 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
        `StoredKV` view whose packed fields are gathered through the block table.
      Decode-like pieces follow `kvarn.attention.fused.take` (KVARN_KERNEL=auto: the kernel when it loads; torch;
      cpu: the kernel or an error naming why not), as the transformers cache does.
+  Budget presets (`budget`): the same per layer once the engine's key widths are decided; before, completed tiles
+  store their values only, and the step that decides holds its key tiles aside exact (`StepPlan.held`), which the
+  read paths above honour (PyTorch for the pieces that read them).
   On CUDA (`decode_kernel`: chosen by the pool's device) the batched decode is `triton_decode` (the Triton split
   kernel, fixed `MAX_SPLITS`) and completed blocks are written by the Triton store kernel (`_store_triton`); the
   per-request pieces take PyTorch there (the fused kernel above is the CPU's).
