@@ -343,7 +343,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             plan = shared.table.plan(rows, computed, seq, block_rows)
             shared.last = (m, plan)  # vLLM hands every attention group of a step the same object
             if self.stats_path:
-                write_stats(self.stats_path, shared.table.stats())
+                write_stats(self.stats_path, shared.table.stats(),
+                            None if shared.budget is None else shared.budget.report())
         return KVarNMetadata(m.num_actual_tokens, m.max_query_len, m.max_seq_len, m.query_start_loc, m.seq_lens,
                              m.block_table_tensor, m.slot_mapping, plan, shared.budget)
 

@@ -319,6 +319,13 @@ class BudgetState:
         self.settled = True
         log.info("kvarn: budget preset %s: key widths decided, %s", self.preset.name, self.summary())
 
+    def report(self) -> dict:
+        """The key allocation for the pool stats file (`pool.write_stats`): "key_bits" per kvarn layer in model order
+        (None until decided) and the layers' names."""
+        bits = ([self.layouts[self.width(i)].key_q.config.bits for i in range(len(self.names))] if self.decided
+                else None)
+        return {"key_bits": bits, "key_layers": list(self.names)}
+
     def summary(self) -> str:
         widths = [self.width(i) for i in range(len(self.names))]
         bits = {c: self.layouts[c].key_q.config.bits for c in self.layouts}

@@ -116,12 +116,13 @@ class PoolStats:
         return dict(self.__dict__)
 
 
-def write_stats(path: str, stats: PoolStats) -> None:
-    """`stats` (with this process's pid and the time) as JSON at `path`, atomically: a temp file beside it, then
-    os.replace, so a reader never sees a partial file."""
+def write_stats(path: str, stats: PoolStats, extra: dict | None = None) -> None:
+    """`stats` (with this process's pid and the time, and `extra`: a budget preset's key widths,
+    `budget.BudgetState.report`) as JSON at `path`, atomically: a temp file beside it, then os.replace, so a reader
+    never sees a partial file."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"pid": os.getpid(), "time": round(time.time(), 3), **stats.as_dict()}, f)
+        json.dump({"pid": os.getpid(), "time": round(time.time(), 3), **stats.as_dict(), **(extra or {})}, f)
     os.replace(tmp, path)
 
 

@@ -160,7 +160,7 @@ def test_budget_allocation_scores_binds_and_matches_oracle(kernel: str, monkeypa
     eng.add("a")
     eng.add("b")
     eng.check(eng.step({"a": 126, "b": 200}, gen))  # b's sink block completes: values stored, keys wait
-    assert not eng.bud.decided and eng.table.keep_sinks
+    assert not eng.bud.decided and eng.table.keep_sinks and eng.bud.report()["key_bits"] is None
     eng.check(eng.step({"a": 1, "b": 1}, gen))
     eng.check(eng.step({"a": 1, "b": 199}, gen))  # b completes blocks 1 and 2: the deciding step; a's sink
     assert eng.decision_step == 3 and eng.bud.settled and not eng.table.keep_sinks
@@ -189,6 +189,8 @@ def test_budget_allocation_scores_binds_and_matches_oracle(kernel: str, monkeypa
     for i, t in enumerate(eng.bud.bound):
         assert rank[eng.bud.page_class[t]] <= rank[eng.bud.width(i)]
         assert eng.bud.pools[eng.names[i]].layout.key_q.config == eng.lays[eng.bud.width(i)].key_q.config
+    bits = {"high": 4, "mid": 3, "low": 2}
+    assert eng.bud.report() == {"key_bits": [bits[eng.bud.width(i)] for i in range(LAYERS)], "key_layers": eng.names}
     eng.check(eng.step({"a": 1, "b": 1}, gen))  # after: the held tiles read as stored at each layer's width
     eng.add("c", shared_from=("b", 1))  # a prefix-cache hit on b's sink block
     eng.check(eng.step({"a": 200, "b": 1, "c": 150}, gen))
