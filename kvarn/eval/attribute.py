@@ -119,7 +119,8 @@ def markdown(result: dict) -> str:
     if result.get("scores"):
         lines += ["", f"online layer scores of {result['compare'][0]} (kvarn.cache.allocation; mean over samples):", "",
                   " ".join(f"L{i}:{s:.3g}" for i, s in zip(result["summary"]["layers"], result["scores"])), "",
-                  f"layers it promoted (any sample): {result['promoted']}"]
+                  f"layers it promoted (any sample): {result['promoted']}"
+                  + (f"; at the mid width: {result['middle']}" if result.get("middle") else "")]
     return "\n".join(lines) + "\n"
 
 
@@ -209,19 +210,23 @@ def run(args: argparse.Namespace) -> int:
             budget = cache.allocation()["budget"] if hasattr(cache, "allocation") else None
             if budget is not None:
                 rec["scores"], rec["promoted"] = budget["scores"], budget["promoted"]
+                rec["middle"] = budget.get("middle")  # pick "best": the layers at the mid width
             f.write(json.dumps(rec) + "\n")
             f.flush()
             records.append(rec)
     promoted: set[int] = set()
+    middle: set[int] = set()
     for r in records if compare else ():
         if r.get("scores") and r["variant"] == f"preset:{compare[0]}":
             scores.append([r["scores"][str(i)] for i in quantized])
             promoted |= set(r.get("promoted") or ())
+            middle |= set(r.get("middle") or ())
     records = [r for r in records if r["index"] in args.indices]  # the table holds the samples asked for
     result = {**result_header(args, COMMAND), "preset": preset, "high": args.high, "compare": compare,
               "task": args.task,
               "length": args.length, "summary": summarize(records, quantized, parts),
-              "scores": [sum(c) / len(c) for c in zip(*scores)] if scores else None, "promoted": sorted(promoted)}
+              "scores": [sum(c) / len(c) for c in zip(*scores)] if scores else None, "promoted": sorted(promoted),
+              "middle": sorted(middle)}
     plot(result, out / "attribute.png")
     publish(result, out / "attribute.json", out, markdown(result))
     return 0
