@@ -97,3 +97,40 @@ def test_sliding_window_model_serves_with_default_max_num_seqs(tmp_path) -> None
     record("sliding_window", {"model": "tiny Gemma-3-like (5 sliding of 128 + 1 full; 2 KV heads of 64; float32)",
                               "max_num_seqs": f"256 lowered to {seqs}", "kv_tokens": reported,
                               "kv_tokens_all_layers_float32": stock, "vs_transformers_kvarn": f"{equal}/{total}"})
+
+
+@pytest.mark.slow
+def test_sliding_window_model_serves_a_budget_preset(tmp_path) -> None:
+    """kvarn-b3.0-qar on the same hybrid (`kvarn.integrations.vllm.budget`): the one full-attention layer's page is
+    sized for 3-bit keys (the budget's split for one layer), the window layers stay vLLM's; vLLM's capacity is what
+    the layout predicts for that mix; the width is decided once; tokens agree with kvarn's transformers cache."""
+    import torch
+
+    from kvarn.integrations.vllm.budget import extra_page_bytes
+    from kvarn.integrations.vllm.layout import TileLayout, choose_pool, num_blocks_in
+    from kvarn.presets import get_preset
+
+    name = "kvarn-b3.0-qar"
+    path = tiny_gemma3(tmp_path / "tiny-gemma3")
+    ps = prompts()[1:3]
+    llm = {"model": path, "dtype": "float32", "max_model_len": 1024, "enforce_eager": True, "seed": 0,
+           "disable_hybrid_kv_cache_manager": True, "additional_config": kvarn(name)}
+    run = run_llm("window-budget", {"prompts": ps, "max_tokens": MAX_NEW, "llm": llm})
+    log = run.log
+    assert "5 sliding-window layers kept by vLLM" in log and log.count("key widths decided") == 1, log[-3000:]
+    preset = get_preset(name)
+    lay = TileLayout(preset, 64, torch.float32)
+    other = 5 * 2 * 128 * 2 * 64 * 4 + extra_page_bytes(preset, 1, 2, 64, torch.float32)  # window pages + wider keys
+    budget = KV_GIB * 2**30
+    geo, _ = choose_pool(lay, 2, 1, budget, 256, lambda k: 3 * k, other)
+    m = re.search(r"KV cache size: ([\d,]+) tokens", log)
+    assert m, "vLLM's log has no KV cache size line"
+    reported = int(m.group(1).replace(",", ""))
+    predicted = num_blocks_in(geo, 1, budget, other) * 128
+    assert abs(reported - predicted) <= 128, (reported, predicted)
+    toks = run.out["tokens"]
+    logits = transformers_logits(path, [p + t for p, t in zip(ps, toks)], name, MAX_NEW, "float32")
+    equal, total = equal_up_to_ties(toks, logits)
+    record("sliding_window_budget", {"preset": name, "kv_tokens": reported,
+                                     "vs_transformers_kvarn": f"{equal}/{total}"})
+    assert equal >= 0.9 * total
