@@ -5,6 +5,7 @@ interval (`kvarn.eval.tasks.table.compare`, as `kvarn eval tasks` pairs a method
 
     python scripts/paired_records.py kvarn-b2.5-best kvarn-b2.5 docs/tasks/budget-mk4k-s1.samples.jsonl \
         docs/tasks/budget-mk4k-s1-best.samples.jsonl
+    python scripts/paired_records.py --seeds dynamic kvarn-b2.5-qar S0A.jsonl,S0B.jsonl S1.jsonl S2.jsonl
 """
 
 from __future__ import annotations
@@ -21,14 +22,19 @@ def main() -> None:
     ap.add_argument("b")
     ap.add_argument("files", nargs="+")
     ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW")
+    ap.add_argument("--seeds", action="store_true",
+                    help="each FILES argument is one seed's records (comma-separated files merged): samples pair "
+                         "within a seed (their keys repeat across seeds) and the figures pool over seeds")
     args = ap.parse_args()
     names = dict(r.split("=", 1) for r in args.rename)
     by_method: dict[str, dict[str, dict]] = {args.a: {}, args.b: {}}
-    for path in args.files:
-        with open(path) as f:
-            for line in f:
-                r = json.loads(line)
-                by_method.get(names.get(r["method"], r["method"]), {})[r["key"]] = r
+    for group, arg in enumerate(args.files):
+        for path in arg.split(",") if args.seeds else [arg]:
+            with open(path) as f:
+                for line in f:
+                    r = json.loads(line)
+                    key = f"{group}:{r['key']}" if args.seeds else r["key"]
+                    by_method.get(names.get(r["method"], r["method"]), {})[key] = r
     mine, other = by_method[args.a], by_method[args.b]
     keys = sorted(mine.keys() & other.keys())
     if not keys:

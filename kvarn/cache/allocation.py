@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kvarn.presets import Preset
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.policy import weighted_error
 
@@ -242,3 +243,21 @@ def best_split(layers: Sequence[int], high: Mapping[int, float], mid: Mapping[in
         table = nxt
     best = max((v for k, v in table.items() if k in allowed), key=lambda v: v[0])
     return best[1], best[2]
+
+
+def preset_allocation(preset: Preset, layers: Sequence[int], head_dim: int,
+                      splits: Sequence[tuple[int, int]] | None = None) -> KeyAllocation:
+    """A budget preset's `KeyAllocation` over its quantized `layers` at `head_dim`. `splits`: the (high, mid) splits
+    the caller's storage can hold (vLLM's page classes: `kvarn.integrations.vllm.budget`); None: every one the budget
+    allows (`Preset.key_splits` under pick "best", else its one split)."""
+    n = len(layers)
+    low, high = preset.quantizers(head_dim)[0], preset.key_high(head_dim)
+    mid = None if preset.key_mid is None else preset.key_mid(head_dim)
+    rule = str(preset.params.get("rule", "output"))
+    if preset.picks_best:
+        return KeyAllocation(layers, 0, low, high, rule, mid, 0, "best",
+                             preset.key_splits(n, head_dim) if splits is None else splits)
+    if splits is None:
+        splits = [(preset.promoted_layers(n), preset.mid_layers(n, head_dim))]
+    h, m = splits[0] if splits else (0, 0)
+    return KeyAllocation(layers, h, low, high, rule, mid, m)

@@ -79,7 +79,7 @@ from kvarn.attention import packed_reads
 from kvarn.attention.handoff import attach_observer, attach_past, clear, expect_mask, offer, padding
 from kvarn.attention.packed import KVarNPast
 from kvarn.attention.view import StoredKV
-from kvarn.cache.allocation import KeyAllocation
+from kvarn.cache.allocation import KeyAllocation, preset_allocation
 from kvarn.cache.rope import Rope
 from kvarn.cache.store import Bytes, LayerStore, TensorStore
 from kvarn.presets import DEFAULT_PRESET, Preset, get_preset
@@ -402,11 +402,8 @@ class KVarNCache(Cache):
         quantized = [i for i, kind in enumerate(layer_types) if kind == "full_attention" and p.quantized
                      and not (i < first or i >= n - last)]
         # budget presets: which layers' keys get key_high is chosen online (kvarn.cache.allocation)
-        self.key_allocation = None if p.key_high is None or not quantized else KeyAllocation(
-            quantized, p.promoted_layers(len(quantized)), p.quantizers(self.head_dim)[0], p.key_high(self.head_dim),
-            str(p.params.get("rule", "output")), None if p.key_mid is None else p.key_mid(self.head_dim),
-            p.mid_layers(len(quantized), self.head_dim), "best" if p.picks_best else "rank",
-            p.key_splits(len(quantized), self.head_dim) if p.picks_best else ())
+        self.key_allocation = None if p.key_high is None or not quantized else preset_allocation(
+            p, quantized, self.head_dim)
         if self.key_allocation is not None:
             kv = (self.key_allocation.low, p.quantizers(self.head_dim)[1])
         layers: list = []

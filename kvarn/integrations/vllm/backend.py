@@ -239,10 +239,11 @@ def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> tu
     attn = get_layers_from_vllm_config(cfg, Attention)
     layers = sum(a.sliding_window is None for a in attn.values()) or cfg.model_config.get_num_layers(
         cfg.parallel_config)
-    other = window_page_bytes(cfg, s.tile)
+    window = window_page_bytes(cfg, s.tile)
     lay = TileLayout(s.preset, head_dim, cfg.model_config.dtype)
-    if s.preset.key_high is not None:  # the wider key pages of a budget preset (`budget.page_classes`)
-        other += extra_page_bytes(s.preset, layers, num_kv_heads, head_dim, cfg.model_config.dtype)
+    wider = 0 if s.preset.key_high is None else extra_page_bytes(  # a budget preset's wider key pages, per block
+        s.preset, layers, num_kv_heads, head_dim, cfg.model_config.dtype)
+    other = window + wider
     sched = cfg.scheduler_config
     if s.fp_slots:  # asked for: exactly that pool, or a refusal
         geo, seqs = choose_geometry(lay, num_kv_heads, layers, budget, s.fp_slots, other), sched.max_num_seqs
@@ -251,7 +252,6 @@ def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> tu
                                 lambda n: default_fp_slots(s, n), other)
         cap_max_num_seqs(cfg, seqs)  # this process's copy (the slot table's check); the engine core's: the spec
     seq = seq_fp_slots(s.sink_blocks)
-    wider = other - window_page_bytes(cfg, s.tile)  # a budget preset's wider key pages, per block
     ratio = geo.tokens_ratio_vs_bf16() * layers * geo.page_bytes / (layers * geo.page_bytes + wider)
     msg = (f"kvarn: preset {s.preset.name}, {geo.layout.tile * geo.c} bytes per head per block ({lay.packed_bytes} "
            f"packed + {lay.tile * geo.e} fp pool share, {geo.blocks_per_slot} blocks per fp slot"
@@ -260,7 +260,7 @@ def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> tu
            + f"); {ratio:.2f}x the tokens of a bf16 cache per byte; a running sequence holds {seq} fp "
            f"blocks per layer ({seq * lay.fp_bytes * num_kv_heads * layers / 2**20:.2f} MiB over {layers} layers), "
            f"the pool {geo.fp_slots(num_blocks_in(geo, layers, budget, other))} per layer"
-           + (f"; {len(attn) - layers} sliding-window layers kept by vLLM" if window_page_bytes(cfg, s.tile) else "")
+           + (f"; {len(attn) - layers} sliding-window layers kept by vLLM" if window else "")
            + (f"; key pages by layer: {class_counts(s.preset, layers, head_dim)} (budget preset: key widths "
               "chosen on the first request long enough)" if s.preset.key_high is not None else ""))
     if msg not in _LOGGED:  # customize_spec runs once per layer

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvarn.cache.allocation import OUTPUT_ROWS, KeyAllocation, output_gains, promotion_gains
+from kvarn.cache.allocation import OUTPUT_ROWS, output_gains, preset_allocation, promotion_gains
 from kvarn.integrations.vllm.layout import PageGeometry, TileLayout
 from kvarn.integrations.vllm.paged import attend_step, observe_queries, store_tiles, write_step
 from kvarn.integrations.vllm.pool import Held, LayerPool, SlotTable, StepPlan
@@ -116,11 +116,10 @@ class BudgetState:
 
     def __init__(self, preset: Preset, names: Sequence[str], tensors: Sequence[torch.Tensor], head_dim: int, e: int,
                  fp_dtype: torch.dtype, table: SlotTable) -> None:
-        self.preset, self.names, self.e, self.fp_dtype, self.table = preset, tuple(names), e, fp_dtype, table
+        self.preset, self.names, self.e, self.table = preset, tuple(names), e, table
         self.tensors = list(tensors)
         self.num_kv_heads, self.tile = tensors[0].shape[1], tensors[0].shape[2]
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.head_dim = head_dim
         self.layouts = layouts(preset, head_dim, fp_dtype)
         self.page_class: list[str] = []  # per tensor: the widest key class its packed part holds
         self.pools: dict[str, LayerPool] = {}
@@ -143,13 +142,7 @@ class BudgetState:
             log.warning("kvarn: budget preset %s: vLLM allocated %d high and %d mid key pages of the %s sized; the "
                         "allocation chooses among the splits those hold", preset.name, high_pages, mid_pages,
                         sized_split(preset, n, head_dim))
-        qs = key_quantizers(preset, head_dim)
-        rule = str(preset.params.get("rule", "output"))
-        if preset.picks_best:
-            self.allocation = KeyAllocation(range(n), 0, qs["low"], qs["high"], rule, qs.get("mid"), 0, "best", splits)
-        else:
-            h, m = splits[0] if splits else (0, 0)
-            self.allocation = KeyAllocation(range(n), h, qs["low"], qs["high"], rule, qs.get("mid"), m)
+        self.allocation = preset_allocation(preset, range(n), head_dim, splits)
         for i, name in enumerate(self.names):
             self.pools[name] = self._pool(i, self.layouts["low"], None)
 
@@ -337,18 +330,16 @@ class BudgetState:
 def step_layer(bud: BudgetState, name: str, plan: StepPlan, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, output: torch.Tensor, scale: float, softcap: float | None) -> None:
     """One kvarn layer's step under a budget preset (the backend's forward): query [T, Hq, D], key, value [T, H, D]
-    -> output [T, Hq, D]. Once decided, the plain store and attention over the layer's bound pool; before, the
-    first tile past the sink is scored with its keys held exact (module docstring)."""
+    -> output [T, Hq, D]: the layer's store and attention over the pool the allocation binds it to; before the
+    decision, the first tile past the sink scored with its keys held exact (module docstring)."""
     pool = bud.pool(name)
     observe_queries(pool, query)  # kvarn-auto: before this step's key tiles are quantized
-    if bud.decided:
-        exact = write_step(pool, plan, key, value, name)
-        attend_step(pool, plan, query, output, exact, scale, softcap, name)
-        return
-    bud.stash_queries(name, plan, query)
-    exact = write_step(pool, plan, key, value, name, lambda done: bud.hold(name, plan, done))
-    scoring = bud.scoring_request(plan)
+    waiting = not bud.decided
+    if waiting:
+        bud.stash_queries(name, plan, query)
+    exact = write_step(pool, plan, key, value, name, (lambda done: bud.hold(name, plan, done)) if waiting else None)
+    scoring = bud.scoring_request(plan) if waiting else None
     if scoring is not None:
         bud.score_layer(name, pool, plan, scoring, exact, query.dtype)
     attend_step(pool, plan, query, output, exact, scale, softcap, name)
-    bud.settle()  # a no-op until the last layer's report decided
+    bud.settle()  # a no-op until the last layer's report decided, and after

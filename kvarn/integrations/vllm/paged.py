@@ -339,10 +339,13 @@ def exact_tiles(pool: LayerPool, plan: StepPlan, p: RequestPlan, layer: str, ns:
     tiles = [t for t in range(ns, j) if plan.exact_in(layer, p.blocks[t])]
     if not tiles:
         return None
-    h = pool.geo.num_kv_heads
     kv = torch.stack([pool.read_slot(p.slots[t]) for t in tiles])  # [m, H, 2, G, D]
-    index = torch.tensor([(0, hh, t - ns) for t in tiles for hh in range(h)], dtype=torch.long)
-    return index, kv[:, :, 0].flatten(0, 1), kv[:, :, 1].flatten(0, 1)
+    return _tile_index(tiles, ns, pool.geo.num_kv_heads), kv[:, :, 0].flatten(0, 1), kv[:, :, 1].flatten(0, 1)
+
+
+def _tile_index(tiles: list[int], ns: int, h: int) -> torch.Tensor:
+    """[len(tiles) * h, 3] rows (0, head, tile - ns): where `StoredKV` puts exact rows among a one-row cache's tiles."""
+    return torch.tensor([(0, hh, t - ns) for t in tiles for hh in range(h)], dtype=torch.long)
 
 
 def held_tiles(plan: StepPlan, p: RequestPlan, layer: str, ns: int,
@@ -355,9 +358,8 @@ def held_tiles(plan: StepPlan, p: RequestPlan, layer: str, ns: int,
     tiles = [t for t in range(ns, j) if p.blocks[t] in held and not plan.exact_in(layer, p.blocks[t])]
     if not tiles:
         return None
-    h = held[p.blocks[tiles[0]]].shape[0]
-    index = torch.tensor([(0, hh, t - ns) for t in tiles for hh in range(h)], dtype=torch.long)
-    return index, torch.stack([held[p.blocks[t]] for t in tiles]).flatten(0, 1)
+    keys = torch.stack([held[p.blocks[t]] for t in tiles])  # [m, H, G, D]
+    return _tile_index(tiles, ns, keys.shape[1]), keys.flatten(0, 1)
 
 
 def past_view(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, dtype: torch.dtype,
