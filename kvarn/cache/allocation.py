@@ -29,13 +29,15 @@ splits the budget allows), so a request whose loss is spread over many layers bu
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvarn.presets import Preset
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.policy import weighted_error
+
+if TYPE_CHECKING:  # the store (this floor) must not load the preset registry at run time
+    from kvarn.presets import Preset
 
 
 def _trial(q: TileQuantizer, flat: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
