@@ -3,6 +3,7 @@ rows of SmolLM2-135M's geometry (3 KV heads, 9 query heads, D = 64, bf16, G = 12
 515 to 565 tokens) over a page pool of real packed tiles.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile] [--repeat N] [--rounds N]
+        [--layers N] [--threads N]
 
 Prints the CPU time (`time.process_time`, so a shared machine's load does not enter; 1 thread) per layer of each
 call and x 30 layers, and of the prompts' store (8 prompts of ~540 tokens: 32 completed blocks encoded in one call,
@@ -10,7 +11,10 @@ kvarn-auto's query statistics updated first, as the backend's forward does); --p
 (wall time) of 10 layer-steps; --rounds N times N rounds of 30 steps and reports the median (min and max
 beside it); --repeat N runs N more attend calls after the timing, for a sampling profiler
 (`perf record -o /tmp/p.data ... --repeat 3000`, then `perf report -i /tmp/p.data --dsos kvarn_cpu_decode.so
---sort symbol`: where the C++ kernel spends its time). Used for docs/VLLM.md.
+--sort symbol`: where the C++ kernel spends its time); --layers N gives each of N layers its own pool and times the
+step over all of them, so that, as in the engine, a layer's rows are no longer in the cache when it is read again
+(`--layers 30 --threads 2`: what the engine's decode meets); --threads N: N threads (wall time as well as CPU time).
+Used for docs/VLLM.md.
 """
 
 from __future__ import annotations
@@ -36,13 +40,16 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--repeat", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     preset = args.preset
     torch.manual_seed(0)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     lay = TileLayout(get_preset(preset), D, torch.bfloat16)
     geo = choose_geometry(lay, H, LAYERS, 2**30, slots=3 * 16)
-    pool = LayerPool(torch.zeros(2000, H, G, geo.c, dtype=torch.uint8), geo)
+    pools = [LayerPool(torch.zeros(2000, H, G, geo.c, dtype=torch.uint8), geo) for _ in range(args.layers)]
+    pool = pools[0]
     table = SlotTable(pool.n_slots, G, 1)
     blocks = [list(range(1 + 6 * r, 7 + 6 * r)) for r in range(R)]
     lens = [512 + 7 * r for r in range(R)]
@@ -58,8 +65,12 @@ def main() -> None:
     paged.write_step(pool, plan, torch.randn(sum(lens), H, D).bfloat16(), torch.randn(sum(lens), H, D).bfloat16(),
                      "bench")  # the prompts: packed tiles, sinks and filling blocks
     prefill = (time.process_time() - t0) * 1e3
+    for other in pools[1:]:
+        paged.observe_queries(other, queries)
+        paged.write_step(other, plan, torch.randn(sum(lens), H, D).bfloat16(), torch.randn(sum(lens), H, D).bfloat16(),
+                         "bench")
 
-    def step(n: int) -> tuple[float, float]:
+    def step(n: int) -> tuple[float, float, float]:
         new = [x + 1 for x in lens]
         plan = table.plan([(i, i + 1) for i in range(R)], list(lens), new,
                           [b[:-(-x // G)] for b, x in zip(blocks, new)])
@@ -68,20 +79,26 @@ def main() -> None:
         out = torch.zeros_like(q)
         t0 = time.process_time()
         for _ in range(n):
-            paged.observe_queries(pool, q)
-            exact = paged.write_step(pool, plan, k, v, "bench")
+            for p in pools:
+                paged.observe_queries(p, q)
+                exact = paged.write_step(p, plan, k, v, "bench")  # the same rows for every layer
         t1 = time.process_time()
+        w1 = time.perf_counter()
         for _ in range(n):
-            paged.attend_step(pool, plan, q, out, exact, D ** -0.5, None, "bench")
-        return (time.process_time() - t1) / n * 1e3, (t1 - t0) / n * 1e3
+            for p in pools:
+                paged.attend_step(p, plan, q, out, exact, D ** -0.5, None, "bench")
+        wall = (time.perf_counter() - w1) / (n * len(pools)) * 1e3
+        return (time.process_time() - t1) / (n * len(pools)) * 1e3, (t1 - t0) / (n * len(pools)) * 1e3, wall
 
     step(3)
     rounds = args.rounds
     times = sorted(step(30) for _ in range(rounds))  # by attend time
-    attend, write = times[len(times) // 2]  # the median round: a loaded machine's outliers left out
+    attend, write, wall = times[len(times) // 2]  # the median round: a loaded machine's outliers left out
     if rounds > 1:
         print(f"attend per layer over {rounds} rounds of 30: min {times[0][0]:.3f}, median {attend:.3f}, "
               f"max {times[-1][0]:.3f} ms")
+    print(f"{preset}, {args.layers} layer pool(s), {args.threads} thread(s): attend {wall:.3f} ms per layer (wall "
+          f"time)")
     print(f"{preset}: per layer write {write:.3f} ms, attend {attend:.3f} ms (CPU time); x{LAYERS} layers = "
           f"{LAYERS * (write + attend):.1f} ms per step; the prompts' store {prefill:.1f} ms per layer "
           f"({LAYERS * prefill:.0f} ms x{LAYERS}), of which the query statistics {observe:.1f} ms")

@@ -136,7 +136,8 @@ def test_indexed_rows_read_in_place(dtype, seed, monkeypatch):
     """Rows read through an index (`paged=`: vLLM's fp slots [N, H, R, D], row ids n * R + r, keys and values from
     different places, rows shared between batch rows) equal, bit for bit, the same rows gathered into a dense segment
     at the same position (same arithmetic, same order); the seat's reference (kvarn.ops.decode) agrees to float32
-    rounding, and ids outside the rows are refused before the kernel reads them."""
+    rounding, ids outside the rows are refused before the kernel reads them, and rows the bias masks (padding, here
+    non-finite) change nothing."""
     from kvarn.ops.decode import packed_decode_reference
 
     gen = torch.Generator().manual_seed(seed)
@@ -172,6 +173,10 @@ def test_indexed_rows_read_in_place(dtype, seed, monkeypatch):
         call(paged=(rows, bad, n * g))
     with pytest.raises(ValueError, match="int64"):
         call(paged=(rows, index.int(), n * g))
+    poisoned = torch.cat([rows, torch.full_like(rows[:1], float("nan"))])  # block 5: NaN rows
+    pidx = index.clone()
+    pidx[2, :, 50:] = 5 * 48 + torch.arange(t - 50)  # the masked padding reads NaN rows: skipped, never read
+    assert torch.equal(call(paged=(poisoned, pidx, n * g)), inplace)
 
 
 def test_auto_rotation_mixed_flags(seed):

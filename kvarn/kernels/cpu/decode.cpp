@@ -270,6 +270,22 @@ Kind make_kind(const std::vector<at::Tensor>& f, const std::vector<int64_t>& s, 
   return k;
 }
 
+// max over s[0..n), NaN skipped (16 lanes at a time: a scalar max chain is a loop-carried dependency)
+inline float row_max(const float* s, int n) {
+  using vf = Vec<16>::f;
+  vf mv = vf{} + NEG_INF;
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    vf x;
+    std::memcpy(&x, s + i, 64);
+    mv = x > mv ? x : mv;
+  }
+  float mt = NEG_INF;
+  for (int k = 0; k < 16; ++k) mt = mv[k] > mt ? mv[k] : mt;
+  for (; i < n; ++i) mt = s[i] > mt ? s[i] : mt;
+  return mt;
+}
+
 struct State {  // online softmax of the M rows of one work item
   int M, D;
   std::vector<float> mx, l, acc_p, acc_r;
@@ -279,9 +295,7 @@ struct State {  // online softmax of the M rows of one work item
   void update(float* s, int ss, int n) {
     for (int m = 0; m < M; ++m) {
       float* row = s + m * ss;
-      float mt = NEG_INF;
-#pragma omp simd reduction(max : mt)
-      for (int i = 0; i < n; ++i) mt = std::max(mt, row[i]);  // a NaN logit reaches l (and the output) anyway
+      float mt = row_max(row, n);  // a NaN logit reaches l (and the output) anyway
       const float mn = std::max(mx[m], mt);
       if (mn == NEG_INF) {  // nothing allowed so far; a NaN logit (also one the vector max skipped) makes l NaN
         bool nan = false;
@@ -328,131 +342,240 @@ struct Job {
   float softcap;
 };
 
-// softcap and mask on logits s [M][n] at positions pos.. of the bias row
-void finish_logits(const Job& J, int64_t b, int64_t h, float* s, int ss, int n, int64_t pos) {
+// The bias row of query row m of work item (b, h): positions 0.. of the row's mask
+inline const float* bias_row(const Job& J, int64_t b, int64_t h, int m) {
+  const int64_t head = J.bheads == 1 ? 0 : h * J.groups + m / J.L;
+  return J.bias + b * J.bs0 + head * J.bs1 + (m % J.L) * J.bs2;
+}
+
+// softcap and mask on logits s [M][n]; logit i sits at position pos + (idx ? idx[i] : i) of the bias row
+void finish_logits(const Job& J, int64_t b, int64_t h, float* s, int ss, int n, int64_t pos,
+                   const int* idx = nullptr) {
   for (int m = 0; m < J.M; ++m) {
     float* row = s + m * ss;
     if (J.softcap > 0.f)
       for (int i = 0; i < n; ++i) row[i] = std::tanh(row[i] / J.softcap) * J.softcap;
     if (J.bias != nullptr) {
-      const int64_t head = J.bheads == 1 ? 0 : h * J.groups + m / J.L;
-      const float* br = J.bias + b * J.bs0 + head * J.bs1 + (m % J.L) * J.bs2 + pos;
-      for (int i = 0; i < n; ++i) row[i] = br[i] == NEG_INF ? NEG_INF : row[i] + br[i];
+      const float* br = bias_row(J, b, h, m) + pos;
+      for (int i = 0; i < n; ++i) {
+        const float x = br[idx ? idx[i] : i];
+        row[i] = x == NEG_INF ? NEG_INF : row[i] + x;
+      }
     }
   }
 }
 
-// A dense row of D elements as float32: float rows are read in place, fp16 / bf16 rows (a half-precision sink or
-// tail, kept in the model's dtype) are widened into buf, so the caller never converts whole segments per call.
+// D elements of a dense row as float32 (bf16 is the top half of a float; fp16 through F16C where the CPU has it).
 template <typename T>
-inline const float* row_f32(const T* src, int D, float* buf) {
+inline void row_to_f32(const T* src, int D, float* dst) {
   if constexpr (std::is_same_v<T, float>) {
-    return src;
+    std::memcpy(dst, src, D * 4);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    auto q = reinterpret_cast<const uint16_t*>(src);
+    auto o = reinterpret_cast<uint32_t*>(dst);
+    for (int d = 0; d < D; ++d) o[d] = static_cast<uint32_t>(q[d]) << 16;
   } else {
-    for (int d = 0; d < D; ++d) buf[d] = static_cast<float>(src[d]);
-    return buf;
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+}
+
+using V16 = Vec<16>::f;
+using I16 = Vec<16>::i;
+constexpr int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+
+// out[r] = sum of the 16 lanes of x[r], r < 16: a transpose-and-add butterfly (15 pairs of shuffles and adds) instead
+// of 16 horizontal sums. Lane l of the result holds input slot bitrev4(l), so callers put row r in slot bitrev4(r).
+inline V16 lane_sums(V16* x) {
+  static const I16 lo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                            {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                            {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                            {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+  static const I16 hi[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                            {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+                            {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+                            {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+#if defined(__clang__)  // no two-vector shuffle with a mask operand: plain sums, same lane order
+  V16 out = V16{};
+  for (int l = 0; l < 16; ++l)
+    for (int j = 0; j < 16; ++j) out[l] += x[BITREV4[l]][j];
+  return out;
+#else
+  int n = 16;
+  for (int lvl = 0; lvl < 4; ++lvl, n /= 2)
+    for (int k = 0; k < n / 2; ++k)
+      x[k] = __builtin_shuffle(x[2 * k], x[2 * k + 1], lo[lvl]) + __builtin_shuffle(x[2 * k], x[2 * k + 1], hi[lvl]);
+  return x[0];
+#endif
+}
+
+// s[m][i] = q[m] . k[i] for n rows k [n][D] (float32, contiguous), 16 rows at a time: each row's 16-lane partial sums
+// over D, then one butterfly for the 16 rows. Rows past n count as zero; s rows have room for n rounded up to 16.
+void dense_logits(const float* q, int M, int D, const float* k, int n, float* s, int ss) {
+  const int dv = D / 16 * 16;
+  V16 part[16];
+  for (int i0 = 0; i0 < n; i0 += 16) {
+    const int rows = std::min(16, n - i0);
+    for (int m = 0; m < M; ++m) {
+      const float* qm = q + m * D;
+      for (int r = 0; r < 16; ++r) {
+        V16 acc = V16{};
+        if (r < rows) {
+          const float* kr = k + (i0 + r) * D;
+          for (int d = 0; d < dv; d += 16) {
+            V16 a, c;
+            std::memcpy(&a, qm + d, 64);
+            std::memcpy(&c, kr + d, 64);
+            acc += a * c;
+          }
+          for (int d = dv; d < D; ++d) acc[0] += qm[d] * kr[d];
+        }
+        part[BITREV4[r]] = acc;
+      }
+      const V16 out = lane_sums(part);
+      std::memcpy(s + m * ss + i0, &out, 64);
+    }
+  }
+}
+
+// acc[m][d0 .. d0 + 16 DV) += sum_i p[m][i] v[i][d0 ..] for MB rows m, accumulators held in registers over the rows;
+// a zero probability adds nothing (a non-finite value behind an underflowed weight stays out, as a masked one does).
+template <int MB, int DV>
+void accumulate(const float* p, int ss, const float* v, int n, int D, int d0, float* acc) {
+  V16 a[MB][DV];
+  for (int m = 0; m < MB; ++m)
+    for (int k = 0; k < DV; ++k) std::memcpy(&a[m][k], acc + m * D + d0 + 16 * k, 64);
+  for (int i = 0; i < n; ++i) {
+    V16 x[DV];
+    for (int k = 0; k < DV; ++k) std::memcpy(&x[k], v + i * D + d0 + 16 * k, 64);
+    for (int m = 0; m < MB; ++m) {
+      const float pm = p[m * ss + i];
+      if (pm == 0.f) continue;
+      for (int k = 0; k < DV; ++k) a[m][k] += pm * x[k];
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int k = 0; k < DV; ++k) std::memcpy(acc + m * D + d0 + 16 * k, &a[m][k], 64);
+}
+
+template <int MB>
+void accumulate_rows(const float* p, int ss, const float* v, int n, int D, float* acc) {
+  int d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) accumulate<MB, 4>(p, ss, v, n, D, d0, acc);
+  for (; d0 + 16 <= D; d0 += 16) accumulate<MB, 1>(p, ss, v, n, D, d0, acc);
+  for (int m = 0; m < MB; ++m)
+    for (int i = 0; i < n; ++i) {
+      const float pm = p[m * ss + i];
+      if (pm != 0.f)
+        for (int d = d0; d < D; ++d) acc[m * D + d] += pm * v[i * D + d];
+    }
+}
+
+// acc [M][D] += p [M][n] @ v [n][D]
+void dense_values(const float* p, int ss, int M, const float* v, int n, int D, float* acc) {
+  for (int m0 = 0; m0 < M; m0 += 4) {
+    const float* pm = p + m0 * ss;
+    float* am = acc + m0 * D;
+    switch (std::min(4, M - m0)) {
+      case 1: accumulate_rows<1>(pm, ss, v, n, D, am); break;
+      case 2: accumulate_rows<2>(pm, ss, v, n, D, am); break;
+      case 3: accumulate_rows<3>(pm, ss, v, n, D, am); break;
+      default: accumulate_rows<4>(pm, ss, v, n, D, am); break;
+    }
   }
 }
 
 // Dense rows (key_at(i), value_at(i): row i's elements of type T) at positions pos.., plain basis, in chunks of the
-// logit buffer.
+// logit buffer. Rows the bias masks for every query row (the padding of a batched decode) are skipped, not read; the
+// others are widened to float32 into buf [ss][D] (keys, then values of the chunk).
+struct DenseBuf {  // a chunk of dense rows widened to float32, and the chunk's unmasked row indices
+  std::vector<float> buf;
+  std::vector<int> idx;
+  DenseBuf(int ss, int D) : buf(static_cast<size_t>(ss) * D), idx(ss) {}
+};
+
 template <typename T, typename KAt, typename VAt>
 void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, KAt key_at, VAt value_at, int64_t n,
-                int64_t pos, float* s, int ss, float* rowbuf) {
+                int64_t pos, float* s, int ss, DenseBuf& db) {
   const int M = J.M, D = J.D;
+  float* buf = db.buf.data();
+  int* idx = db.idx.data();
   for (int64_t c0 = 0; c0 < n; c0 += ss) {
-    const int cn = static_cast<int>(std::min<int64_t>(ss, n - c0));
-    for (int i = 0; i < cn; ++i) {
-      const float* k = row_f32<T>(key_at(c0 + i), D, rowbuf);
-      for (int m = 0; m < M; ++m) {
-        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int d = 0;
-        for (; d + 8 <= D; d += 8)
-          for (int e = 0; e < 8; ++e) part[e] += q[m * D + d + e] * k[d + e];
-        float dot = 0.f;
-        for (int e = 0; e < 8; ++e) dot += part[e];
-        for (; d < D; ++d) dot += q[m * D + d] * k[d];
-        s[m * ss + i] = dot;
+    const int span = static_cast<int>(std::min<int64_t>(ss, n - c0));
+    int cn = 0;
+    if (J.bias == nullptr) {
+      for (int i = 0; i < span; ++i) idx[cn++] = i;
+    } else {
+      for (int i = 0; i < span; ++i) {
+        bool open = false;
+        for (int m = 0; m < M && !open; ++m) open = bias_row(J, b, h, m)[pos + c0 + i] != NEG_INF;
+        if (open) idx[cn++] = i;
       }
     }
-    finish_logits(J, b, h, s, ss, cn, pos + c0);
+    if (cn == 0) continue;
+    for (int i = 0; i < cn; ++i) row_to_f32<T>(key_at(c0 + idx[i]), D, buf + i * D);
+    dense_logits(q, M, D, buf, cn, s, ss);
+    finish_logits(J, b, h, s, ss, cn, pos + c0, idx);
     st.update(s, ss, cn);
-    for (int i = 0; i < cn; ++i) {
-      bool any = false;
-      for (int m = 0; m < M; ++m) any |= s[m * ss + i] != 0.f;
-      if (!any) continue;
-      const float* v = row_f32<T>(value_at(c0 + i), D, rowbuf);
-      for (int m = 0; m < M; ++m) {
-        const float p = s[m * ss + i];
-        if (p == 0.f) continue;
-        float* acc = st.acc_p.data() + m * D;
-        for (int d = 0; d < D; ++d) acc[d] += p * v[d];
-      }
-    }
+    for (int i = 0; i < cn; ++i) row_to_f32<T>(value_at(c0 + idx[i]), D, buf + i * D);
+    dense_values(s, ss, M, buf, cn, D, st.acc_p.data());
   }
 }
 
 // Rows at K + i * ks, V + i * vs.
 template <typename T>
 void strided_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, const T* K, int64_t ks, const T* V,
-                  int64_t vs, int64_t n, int64_t pos, float* s, int ss, float* rowbuf) {
+                  int64_t vs, int64_t n, int64_t pos, float* s, int ss, DenseBuf& db) {
   dense_rows<T>(J, b, h, st, q, [=](int64_t i) { return K + i * ks; }, [=](int64_t i) { return V + i * vs; }, n, pos,
-                s, ss, rowbuf);
+                s, ss, db);
 }
 
 // One dense segment (k, v [B, H, t, D] of float32, fp16 or bf16, unit stride on D) of row b, head h.
 void dense_segment(const Job& J, int64_t b, int64_t h, State& st, const float* q, const at::Tensor& k,
-                   const at::Tensor& v, int64_t pos, float* s, int ss, float* rowbuf) {
+                   const at::Tensor& v, int64_t pos, float* s, int ss, DenseBuf& db) {
   const int64_t ko = b * k.stride(0) + h * k.stride(1), vo = b * v.stride(0) + h * v.stride(1);
   switch (k.scalar_type()) {
     case at::kHalf:
       strided_rows(J, b, h, st, q, k.data_ptr<at::Half>() + ko, k.stride(2), v.data_ptr<at::Half>() + vo,
-                   v.stride(2), k.size(2), pos, s, ss, rowbuf);
+                   v.stride(2), k.size(2), pos, s, ss, db);
       break;
     case at::kBFloat16:
       strided_rows(J, b, h, st, q, k.data_ptr<at::BFloat16>() + ko, k.stride(2), v.data_ptr<at::BFloat16>() + vo,
-                   v.stride(2), k.size(2), pos, s, ss, rowbuf);
+                   v.stride(2), k.size(2), pos, s, ss, db);
       break;
     default:
       strided_rows(J, b, h, st, q, k.data_ptr<float>() + ko, k.stride(2), v.data_ptr<float>() + vo, v.stride(2),
-                   k.size(2), pos, s, ss, rowbuf);
+                   k.size(2), pos, s, ss, db);
   }
 }
 
 // The indexed rows of batch row b (Job::prows), read in place: row i of keys at prows[id / R, h, id % R].
 template <typename T>
-void indexed_rows_t(const Job& J, int64_t b, int64_t h, State& st, const float* q, float* s, int ss, float* rowbuf) {
+void indexed_rows_t(const Job& J, int64_t b, int64_t h, State& st, const float* q, float* s, int ss, DenseBuf& db) {
   const T* base = J.prows.data_ptr<T>() + h * J.psH;
   const int64_t *ki = J.pidx + b * 2 * J.pt, *vi = ki + J.pt;
   const int64_t R = J.pR, sN = J.psN, sR = J.psR;
   dense_rows<T>(J, b, h, st, q, [=](int64_t i) { return base + ki[i] / R * sN + ki[i] % R * sR; },
-                [=](int64_t i) { return base + vi[i] / R * sN + vi[i] % R * sR; }, J.pt, J.ppos, s, ss, rowbuf);
+                [=](int64_t i) { return base + vi[i] / R * sN + vi[i] % R * sR; }, J.pt, J.ppos, s, ss, db);
 }
 
-void indexed_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, float* s, int ss, float* rowbuf) {
+void indexed_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, float* s, int ss, DenseBuf& db) {
   switch (J.prows.scalar_type()) {
     case at::kHalf:
-      indexed_rows_t<at::Half>(J, b, h, st, q, s, ss, rowbuf);
+      indexed_rows_t<at::Half>(J, b, h, st, q, s, ss, db);
       break;
     case at::kBFloat16:
-      indexed_rows_t<at::BFloat16>(J, b, h, st, q, s, ss, rowbuf);
+      indexed_rows_t<at::BFloat16>(J, b, h, st, q, s, ss, db);
       break;
     default:
-      indexed_rows_t<float>(J, b, h, st, q, s, ss, rowbuf);
+      indexed_rows_t<float>(J, b, h, st, q, s, ss, db);
   }
 }
 
 // out [M][D] = x [M][D] @ H [D][D]
 void matmul_h(const float* x, const float* hm, int64_t M, int64_t D, float* out) {
-  for (int64_t m = 0; m < M; ++m) {
-    float* o = out + m * D;
-    std::fill(o, o + D, 0.f);
-    for (int64_t k = 0; k < D; ++k) {
-      const float xv = x[m * D + k];
-      const float* hr = hm + k * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += xv * hr[d];
-    }
-  }
+  std::fill(out, out + M * D, 0.f);
+  dense_values(x, static_cast<int>(D), static_cast<int>(M), hm, static_cast<int>(D), static_cast<int>(D), out);
 }
 
 // One packed tile: keys per channel (codes [D][G]), values per token (codes [G][D]).
@@ -603,11 +726,12 @@ std::vector<at::Tensor> decode_attention(
   at::Tensor sp = at::empty({B, H, S, M, D}, opts), sr = at::empty({B, H, S, M, D}, opts);
   float *pmx = smx.data_ptr<float>(), *pl = sl.data_ptr<float>(), *pp = sp.data_ptr<float>(),
         *pr = sr.data_ptr<float>();
-  const int ss = static_cast<int>(std::max<int64_t>(J.G, 128));
+  const int ss = static_cast<int>((std::max<int64_t>(J.G, 128) + 15) / 16 * 16);  // dense_logits writes 16 at a time
 
   at::parallel_for(0, B * H * S, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(static_cast<int>(M), static_cast<int>(D), static_cast<int>(J.G), ss);
-    std::vector<float> qbuf(2 * M * D), rowbuf(D);
+    std::vector<float> qbuf(2 * M * D);
+    DenseBuf db(ss, static_cast<int>(D));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (H * S), h = item / S % H, s = item % S;
       State st(static_cast<int>(M), static_cast<int>(D));
@@ -627,15 +751,15 @@ std::vector<at::Tensor> decode_attention(
         const int32_t e = J.emap ? J.emap[(b * H + h) * J.emap_blocks + j] : -1;
         if (e >= 0) {  // kept exact (non-finite input): its exact copy, in the plain basis
           strided_rows(J, b, h, st, qp, J.ek + e * J.G * D, D, J.ev + e * J.G * D, D, J.G, pos, sc.s.data(), ss,
-                       rowbuf.data());
+                       db);
         } else {
           packed_tile(J, b, h, J.bt[b * J.bt_stride + j], st, sc, pos, qp, qr);
         }
       }
       if (s == S - 1) {
         for (size_t i = 0; i < J.dk.size(); ++i)
-          dense_segment(J, b, h, st, qp, J.dk[i], J.dv[i], J.dpos[i], sc.s.data(), ss, rowbuf.data());
-        if (J.pidx) indexed_rows(J, b, h, st, qp, sc.s.data(), ss, rowbuf.data());
+          dense_segment(J, b, h, st, qp, J.dk[i], J.dv[i], J.dpos[i], sc.s.data(), ss, db);
+        if (J.pidx) indexed_rows(J, b, h, st, qp, sc.s.data(), ss, db);
       }
       std::memcpy(pmx + item * M, st.mx.data(), M * 4);
       std::memcpy(pl + item * M, st.l.data(), M * 4);
@@ -679,10 +803,10 @@ std::vector<at::Tensor> decode_attention(
         }
       }
     if (J.hmat) {  // out = plain + rotated H, once per row
-      std::vector<float> tmp(D);
-      for (int64_t r = begin * M; r < end * M; ++r) {
-        matmul_h(orr + r * D, J.hmat, 1, D, tmp.data());
-        for (int64_t d = 0; d < D; ++d) op[r * D + d] += tmp[d];
+      std::vector<float> tmp(M * D);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        matmul_h(orr + bh * M * D, J.hmat, M, D, tmp.data());
+        for (int64_t i = 0; i < M * D; ++i) op[bh * M * D + i] += tmp[i];
       }
     }
   });
