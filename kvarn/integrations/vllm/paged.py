@@ -437,6 +437,7 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
         output[batch.token_rows] = batched_decode(pool, batch, query[batch.token_rows], scale,
                                                   softcap).to(output.dtype)
     decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request -> its past decoded once (prefill pieces)
+    same: dict[tuple[int, int, int], list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, tuple]]] = {}
     groups = query.shape[1] // pool.geo.num_kv_heads
     for i, p, j, rows, _ in _pieces(plan, g):
         if batch is not None and i in batch.request_set:
@@ -447,13 +448,22 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
         k, v = exact[(i, j)]
         out = fused_piece(pool, p, j, plan.sink_blocks, q, k[None], v[None], scale, softcap, plan, layer)
         if out is None:
-            if j and decodes_past(groups * q.shape[2], softcap):
-                past = _decoded_past(pool, plan, p, i, j, query.dtype, layer, decoded)
-            else:
-                past = past_view(pool, p, j, plan.sink_blocks, query.dtype, plan, layer)
+            if j and decodes_past(groups * q.shape[2], softcap):  # SDPA over the decoded past: pieces of one shape
+                past = _decoded_past(pool, plan, p, i, j, query.dtype, layer, decoded)  # are served together below
+                same.setdefault(_batch_key(i, j, q, k), []).append((rows, q, k, v, past))
+                continue
+            past = past_view(pool, p, j, plan.sink_blocks, query.dtype, plan, layer)
             out = packed_attention(q, k[None], v[None], None if past is None else KVarNPast(*past), None, scale,
                                    softcap, kernel=False)  # [1, L, Hq, D]
         output[rows] = out[0]
+    for pieces in same.values():  # block j of equally long prompts: one SDPA call for all of them (batch axis)
+        rows, q, k, v, past = zip(*pieces)
+        cd = torch.float64 if query.dtype == torch.float64 else torch.float32  # `packed_attention`'s
+        past = [_stacked(views, cd) for views in zip(*past)] if len(pieces) > 1 else past[0]
+        out = packed_attention(torch.cat(q), torch.stack(k), torch.stack(v), KVarNPast(*past), None, scale, softcap,
+                               kernel=False)  # [n, L, Hq, D]
+        for r, o in zip(rows, out):
+            output[r] = o
 
 
 def _decoded_past(pool: LayerPool, plan: StepPlan, p: RequestPlan, i: int, j: int, dtype: torch.dtype, layer: str,
@@ -472,6 +482,20 @@ def _decoded_past(pool: LayerPool, plan: StepPlan, p: RequestPlan, i: int, j: in
     n = j * lay.tile
     return tuple(StoredKV(x[:, :, :n], Tiles(), 0, None, _NO_EXACT, None, q, (1, h, lay.head_dim), dtype)
                  for x, q in zip(decoded[i], (lay.key_q, lay.value_q)))
+
+
+def _batch_key(i: int, j: int, q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
+    """Prefill pieces with one key share one SDPA call: block j, query rows, exact rows (request i not in it)."""
+    return j, q.shape[2], k.shape[1]
+
+
+def _stacked(views: tuple[StoredKV, ...], cd: torch.dtype) -> StoredKV:
+    """Pasts of equal length (one request each) as one batch of exact rows: what `_decoded_sdpa` reads of each
+    (`dequantized(cd, dense=True)`; the rows themselves for `_decoded_past`'s)."""
+    v = views[0]
+    _, h, d = v.shape_bhd
+    return StoredKV(torch.cat([x.dequantized(cd, dense=True) for x in views]), Tiles(), 0, None, _NO_EXACT, None,
+                    v.quantizer, (len(views), h, d), v.dtype)
 
 
 def _slot_rows(pool: LayerPool, p: RequestPlan, j: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

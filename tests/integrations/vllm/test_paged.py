@@ -162,6 +162,41 @@ def _check(eng: Engine, outs: dict[str, torch.Tensor]) -> None:
         torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-4, equal_nan=True, msg=f"request {rid}")
 
 
+@pytest.mark.parametrize("sink_blocks", [0, 1])
+def test_prefill_pieces_of_one_shape_share_a_call(sink_blocks: int, monkeypatch) -> None:
+    """Pieces served by SDPA over their decoded past that have one shape (block j of equally long chunks of several
+    requests in one step) go as one batch: the outputs match the float64 oracle and equal, bit for bit, the run in
+    which every piece has its own call; a piece of another shape keeps its own."""
+    import kvarn.attention.packed as packed_mod
+
+    monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
+    monkeypatch.setenv("KVARN_KERNEL", "torch")
+    real = paged.packed_attention
+
+    def run(alone: bool) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+        batches = []
+        with monkeypatch.context() as m:
+            m.setattr(paged, "packed_attention", lambda q, *a, **k: batches.append(q.shape[0]) or real(q, *a, **k))
+            if alone:
+                m.setattr(paged, "_batch_key", lambda i, j, q, k: (i, j))
+            gen = torch.Generator().manual_seed(7)
+            eng = Engine(sink_blocks=sink_blocks)
+            for rid in "abc":
+                eng.add(rid)
+            outs = []
+            for work in ({"a": 3 * G + 5, "b": 3 * G + 5, "c": 2 * G},  # a, b: the same shapes; c: shorter
+                         {"a": 1, "b": G, "c": G}):  # b, c: blocks 3 and 2, pasts of other lengths: own calls
+                outs.append(eng.step(work, gen))
+                _check(eng, outs[-1])
+        return outs, batches
+
+    apart, single = run(True)
+    together, batches = run(False)
+    for x, y in zip(together, apart):
+        assert x.keys() == y.keys() and all(torch.equal(x[r], y[r]) for r in x)
+    assert max(single) == 1 and max(batches) == 3 and sum(batches) == sum(single)
+
+
 @pytest.mark.parametrize("sink_blocks", [0, 1, 2])
 def test_chunked_prefill_decode_and_batching_match_oracle(sink_blocks: int, read_path) -> None:
     gen = torch.Generator().manual_seed(1)
