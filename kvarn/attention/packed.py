@@ -265,12 +265,14 @@ def decodes_past(rows: int, softcap: float | None) -> bool:
     return softcap is None and rows > FOLD_MAX_ROWS
 
 
-def _decoded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast, ok: torch.Tensor,
-                  add: torch.Tensor | None, scale: float, cd: torch.dtype) -> torch.Tensor:
+def _decoded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast | None,
+                  ok: torch.Tensor, add: torch.Tensor | None, scale: float, cd: torch.dtype) -> torch.Tensor:
     """Many query rows (prefill chunks): the stored layer decoded once (`StoredKV.dequantized(dense=True)`, a
-    transient [B, Hkv, T, D] copy of one layer) and fused SDPA over [past | fresh]; [B, L, Hq, D]."""
-    k = torch.cat([past.keys.dequantized(cd, dense=True), key.to(cd)], dim=2)
-    v = torch.cat([past.values.dequantized(cd, dense=True), value.to(cd)], dim=2)
+    transient [B, Hkv, T, D] copy of one layer) and fused SDPA over [past | fresh] in cd; [B, L, Hq, D]."""
+    k, v = key.to(cd), value.to(cd)
+    if past is not None:
+        k = torch.cat([past.keys.dequantized(cd, dense=True), k], dim=2)
+        v = torch.cat([past.values.dequantized(cd, dense=True), v], dim=2)
     mask = ok if add is None else add.to(cd).masked_fill(~ok, float("-inf"))
     out = F.scaled_dot_product_attention(query.to(cd), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out = torch.where(ok.any(-1, keepdim=True), out, 0)  # fully masked rows give 0
@@ -279,12 +281,15 @@ def _decoded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast | None,
                      attention_mask: torch.Tensor | None = None, scaling: float | None = None,
-                     softcap: float | None = None, kernel: bool = True) -> torch.Tensor:
+                     softcap: float | None = None, kernel: bool = True,
+                     sdpa_dtype: torch.dtype | None = None) -> torch.Tensor:
     """softmax(q K^T * scaling [softcapped] + mask) V over [stored past | fresh key/value]; returns [B, L, Hq, D].
 
     query [B, Hq, L, D]; key, value [B, Hkv, L_new, D] (the fresh rows); attention_mask bool (True = attend) or
     additive float, [B or 1, 1 or Hq, L, T_past + L_new], or None for causal (bottom-right aligned).
     kernel=False: the PyTorch path whatever KVARN_KERNEL says (for callers that already chose, e.g. vLLM's pages).
+    sdpa_dtype: the dtype of the SDPA that serves many query rows over the decoded past (`decodes_past`); default
+    float32 (float64 for float64 queries), as every other path computes.
     """
     b, hq, length, d = query.shape
     hkv = key.shape[1]
@@ -304,8 +309,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if out is not None:  # None: a CUDA step whose mask hides a position (the Triton kernel has no mask)
             return out
     ok = allowed(attention_mask, b, length, kv_len, query.device) if ok is None else ok
-    if past is not None and decodes_past(g * length, softcap):
-        return _decoded_sdpa(query, key, value, past, ok, _additive(attention_mask), scale, cd)
+    if decodes_past(g * length, softcap):
+        return _decoded_sdpa(query, key, value, past, ok, _additive(attention_mask), scale, sdpa_dtype or cd)
     add = _additive(attention_mask)
     # queries regrouped per KV head: row j*L + l of head kv is query head kv*g + j at position l
     qs = query.to(cd).reshape(b, hkv, g * length, d) * scale

@@ -43,12 +43,13 @@ def read_path(request, monkeypatch):
 
 
 class Engine:
-    """Blocks handed out like vLLM's pool (free list, shared prefix blocks), one layer, float32."""
+    """Blocks handed out like vLLM's pool (free list, shared prefix blocks), one layer, float32 (or `dtype`)."""
 
     def __init__(self, preset_bits=(4, 2), sink_blocks: int = 1, num_blocks: int = 64, e_index: int = 5,
-                 family: str = "kvarn", rounding: str = "nearest") -> None:
+                 family: str = "kvarn", rounding: str = "nearest", dtype: torch.dtype = torch.float32) -> None:
         preset = affine_preset(family, *preset_bits, G, rounding=rounding)
-        self.lay = TileLayout(preset, D, torch.float32)
+        self.dtype = dtype  # the model's: keys, values and queries are rounded to it
+        self.lay = TileLayout(preset, D, dtype)
         geo = PageGeometry(self.lay, H, self.lay.share_choices()[e_index])
         self.kv = torch.zeros(num_blocks, H, G, geo.c, dtype=torch.uint8)
         self.pool = LayerPool(self.kv, geo)
@@ -104,6 +105,7 @@ class Engine:
                 q = q * self.q_scale
             if self.q_mix is not None:
                 q = q @ self.q_mix
+            k, v, q = k.to(self.dtype), v.to(self.dtype), q.to(self.dtype)
             self.hist[rid] = (torch.cat([k_old, k]), torch.cat([v_old, v]), torch.cat([q_old, q]))
             rows.append((at, at + t))
             at += t
@@ -165,7 +167,7 @@ def _check(eng: Engine, outs: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("sink_blocks", [0, 1])
 def test_prefill_pieces_of_one_shape_share_a_call(sink_blocks: int, monkeypatch) -> None:
     """Pieces served by SDPA over their decoded past that have one shape (block j of equally long chunks of several
-    requests in one step) go as one batch: the outputs match the float64 oracle and equal, bit for bit, the run in
+    requests in one step) go as one batch: the outputs match the float64 oracle and equal, bit for bit (at these sizes), the run in
     which every piece has its own call; a piece of another shape keeps its own."""
     import kvarn.attention.packed as packed_mod
 
@@ -195,6 +197,27 @@ def test_prefill_pieces_of_one_shape_share_a_call(sink_blocks: int, monkeypatch)
     for x, y in zip(together, apart):
         assert x.keys() == y.keys() and all(torch.equal(x[r], y[r]) for r in x)
     assert max(single) == 1 and max(batches) == 3 and sum(batches) == sum(single)
+
+
+def test_bf16_prefill_reads_its_past_in_bf16(monkeypatch) -> None:
+    """A bf16 model: prefill pieces over a decoded past run SDPA in bf16 (as stock vLLM reads its bf16 pages); the
+    outputs, decode rows included, still match the float64 oracle of the same bf16 inputs to bf16 rounding
+    (2^-7, absolute and relative: the output's own rounding is 2^-9 relative, the decoded past's another 2^-9)."""
+    import kvarn.attention.packed as packed_mod
+
+    monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
+    seen = []
+    real = packed_mod._decoded_sdpa
+    monkeypatch.setattr(packed_mod, "_decoded_sdpa", lambda *a: seen.append(a[-1]) or real(*a))
+    gen = torch.Generator().manual_seed(11)
+    eng = Engine(dtype=torch.bfloat16)
+    eng.add("a")
+    eng.add("b")
+    for work in ({"a": 3 * G + 2, "b": 2 * G}, {"a": 1, "b": G + 4}, {"a": 1, "b": 1}):
+        for rid, o in eng.step(work, gen).items():
+            ref = eng.oracle(rid, eng.hist[rid][0].shape[0] - o.shape[0])
+            torch.testing.assert_close(o.double(), ref, rtol=2 ** -7, atol=2 ** -7, msg=f"request {rid}")
+    assert seen and set(seen) == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("sink_blocks", [0, 1, 2])
