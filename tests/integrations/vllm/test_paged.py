@@ -166,9 +166,10 @@ def _check(eng: Engine, outs: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("sink_blocks", [0, 1])
 def test_prefill_pieces_of_one_shape_share_a_call(sink_blocks: int, monkeypatch) -> None:
-    """Pieces served by SDPA over their decoded past that have one shape (block j of equally long chunks of several
-    requests in one step) go as one batch: the outputs match the float64 oracle and equal, bit for bit (at these sizes), the run in
-    which every piece has its own call; a piece of another shape keeps its own."""
+    """Pieces served by SDPA over their decoded past (or over no past: first blocks) that have one shape (block j of
+    equally long chunks of several requests in one step) go as one batch: the outputs match the float64 oracle and
+    equal, bit for bit (at these sizes), the run in which every piece has its own call; a piece of another shape keeps
+    its own."""
     import kvarn.attention.packed as packed_mod
 
     monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
