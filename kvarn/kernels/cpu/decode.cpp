@@ -365,7 +365,7 @@ void finish_logits(const Job& J, int64_t b, int64_t h, float* s, int ss, int n, 
   }
 }
 
-// D elements of a dense row as float32 (bf16 is the top half of a float; fp16 through F16C where the CPU has it).
+// D elements of a dense row as float32 (bf16 is the top half of a float; fp16 by c10's conversion).
 template <typename T>
 inline void row_to_f32(const T* src, int D, float* dst) {
   if constexpr (std::is_same_v<T, float>) {
@@ -382,7 +382,6 @@ inline void row_to_f32(const T* src, int D, float* dst) {
 using V16 = Vec<16>::f;
 using I16 = Vec<16>::i;
 constexpr int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-
 
 // out[r] = sum of the 16 lanes of x[r], r < 16: a transpose-and-add butterfly (15 pairs of shuffles and adds) instead
 // of 16 horizontal sums. Lane l of the result holds input slot bitrev4(l), so callers put row r in slot bitrev4(r).
