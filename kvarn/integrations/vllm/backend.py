@@ -468,10 +468,11 @@ class KVarNAttentionImpl(AttentionImpl):
         name = getattr(layer, "layer_name", "?")
         plan, bud = attn_metadata.plan, attn_metadata.budget
         if bud is not None:  # a budget preset: the engine's key allocation binds this layer's pool
-            step_layer(bud, name, plan, query[:n], key[:n], value[:n], output[:n], self.scale, self.softcap)
+            step_layer(bud, name, plan, query[:n], key[:n], value[:n], output[:n], self.scale, self.softcap,
+                       self.settings.prefill)
             return output
         pool = self._layer_pool(kv_cache, query.dtype)
         observe_queries(pool, query[:n])  # kvarn-auto: before this step's key tiles are quantized
         exact = write_step(pool, plan, key[:n], value[:n], name)
-        attend_step(pool, plan, query[:n], output[:n], exact, self.scale, self.softcap, name)
+        attend_step(pool, plan, query[:n], output[:n], exact, self.scale, self.softcap, name, self.settings.prefill)
         return output

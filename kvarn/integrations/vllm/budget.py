@@ -328,7 +328,8 @@ class BudgetState:
 
 
 def step_layer(bud: BudgetState, name: str, plan: StepPlan, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, output: torch.Tensor, scale: float, softcap: float | None) -> None:
+               value: torch.Tensor, output: torch.Tensor, scale: float, softcap: float | None,
+               prefill: str = "model") -> None:
     """One kvarn layer's step under a budget preset (the backend's forward): query [T, Hq, D], key, value [T, H, D]
     -> output [T, Hq, D]: the layer's store and attention over the pool the allocation binds it to; before the
     decision, the first tile past the sink scored with its keys held exact (module docstring)."""
@@ -341,5 +342,5 @@ def step_layer(bud: BudgetState, name: str, plan: StepPlan, query: torch.Tensor,
     scoring = bud.scoring_request(plan) if waiting else None
     if scoring is not None:
         bud.score_layer(name, pool, plan, scoring, exact, query.dtype)
-    attend_step(pool, plan, query, output, exact, scale, softcap, name)
+    attend_step(pool, plan, query, output, exact, scale, softcap, name, prefill)
     bud.settle()  # a no-op until the last layer's report decided, and after

@@ -426,9 +426,10 @@ def fused_piece(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, q: to
 
 def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: torch.Tensor,
                 exact: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], scale: float,
-                softcap: float | None, layer: str) -> None:
+                softcap: float | None, layer: str, prefill: str = "model") -> None:
     """query [T, Hq, D] -> output [T, Hq, D]: the step's decode rows in one batched call, the other pieces request by
-    request and query block by query block; `layer` as given to `write_step` (blocks kept exact are marked per
+    request and query block by query block; prefill: the dtype of their SDPA over a decoded past ("model": bf16 for
+    a bf16 model, else float32; "float32"); `layer` as given to `write_step` (blocks kept exact are marked per
     layer)."""
     g = pool.layout.tile
     batch = decode_batch(plan, pool)
@@ -462,7 +463,7 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
     cd = torch.float64 if query.dtype == torch.float64 else torch.float32  # `packed_attention`'s
     # A bf16 model's prefill reads its decoded past in bf16, as stock vLLM reads its bf16 pages (the rounding, 2^-9
     # relative, is far below the codes' error): CPU SDPA is ~3x faster in bf16 than in float32.
-    sdpa = torch.bfloat16 if query.dtype == torch.bfloat16 else None
+    sdpa = torch.bfloat16 if prefill == "model" and query.dtype == torch.bfloat16 else None
     for pieces in same.values():  # block j of equally long prompts: one call for all of them (batch axis)
         rows, q, k, v, pasts = zip(*pieces)
         past = None

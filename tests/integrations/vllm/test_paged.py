@@ -49,6 +49,7 @@ class Engine:
                  family: str = "kvarn", rounding: str = "nearest", dtype: torch.dtype = torch.float32) -> None:
         preset = affine_preset(family, *preset_bits, G, rounding=rounding)
         self.dtype = dtype  # the model's: keys, values and queries are rounded to it
+        self.prefill = "model"  # additional_config['kvarn']['prefill']
         self.lay = TileLayout(preset, D, dtype)
         geo = PageGeometry(self.lay, H, self.lay.share_choices()[e_index])
         self.kv = torch.zeros(num_blocks, H, G, geo.c, dtype=torch.uint8)
@@ -130,7 +131,7 @@ class Engine:
         out = torch.zeros_like(query)
         paged.observe_queries(self.pool, query)  # as the backend's forward: before the step's tiles are stored
         exact = write_step(self.pool, plan, key, value, "test")
-        attend_step(self.pool, plan, query, out, exact, D ** -0.5, None, "test")
+        attend_step(self.pool, plan, query, out, exact, D ** -0.5, None, "test", self.prefill)
         return {rid: out[r0:r1] for rid, (r0, r1) in zip(work, rows)}
 
     def oracle(self, rid: str, first: int) -> torch.Tensor:
@@ -200,10 +201,18 @@ def test_prefill_pieces_of_one_shape_share_a_call(sink_blocks: int, monkeypatch)
     assert max(single) == 1 and max(batches) == 3 and sum(batches) == sum(single)
 
 
-def test_bf16_prefill_reads_its_past_in_bf16(monkeypatch) -> None:
-    """A bf16 model: prefill pieces over a decoded past run SDPA in bf16 (as stock vLLM reads its bf16 pages); the
-    outputs, decode rows included, still match the float64 oracle of the same bf16 inputs to bf16 rounding
-    (2^-7, absolute and relative: the output's own rounding is 2^-9 relative, the decoded past's another 2^-9)."""
+@pytest.mark.parametrize(("prefill", "sdpa"), [("model", torch.bfloat16), ("float32", torch.float32)])
+def test_bf16_prefill_reads_its_past_in_bf16(prefill: str, sdpa: torch.dtype, monkeypatch) -> None:
+    """A bf16 model: prefill pieces over a decoded past run SDPA in bf16 (as stock vLLM reads its bf16 pages), or in
+    float32 with additional_config['kvarn']['prefill'] = "float32"; the outputs, decode rows included, match the
+    float64 oracle of the same bf16 inputs to bf16 rounding either way (2^-7, absolute and relative: the output's own
+    rounding is 2^-9 relative, the decoded past's another 2^-9). An unknown value is refused by name."""
+    from kvarn.integrations.vllm.config import parse
+
+    assert parse({"preset": "kvarn-k2v2-g128", "prefill": prefill}).prefill == prefill
+    assert parse({"preset": "kvarn-k2v2-g128"}).prefill == "model"
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        parse({"preset": "kvarn-k2v2-g128", "prefill": "fp16"})
     import kvarn.attention.packed as packed_mod
 
     monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
@@ -212,13 +221,14 @@ def test_bf16_prefill_reads_its_past_in_bf16(monkeypatch) -> None:
     monkeypatch.setattr(packed_mod, "_decoded_sdpa", lambda *a: seen.append(a[-1]) or real(*a))
     gen = torch.Generator().manual_seed(11)
     eng = Engine(dtype=torch.bfloat16)
+    eng.prefill = prefill
     eng.add("a")
     eng.add("b")
     for work in ({"a": 3 * G + 2, "b": 2 * G}, {"a": 1, "b": G + 4}, {"a": 1, "b": 1}):
         for rid, o in eng.step(work, gen).items():
             ref = eng.oracle(rid, eng.hist[rid][0].shape[0] - o.shape[0])
             torch.testing.assert_close(o.double(), ref, rtol=2 ** -7, atol=2 ** -7, msg=f"request {rid}")
-    assert seen and set(seen) == {torch.bfloat16}
+    assert seen and set(seen) == {sdpa}
 
 
 @pytest.mark.parametrize("sink_blocks", [0, 1, 2])
