@@ -3,9 +3,10 @@ rows of SmolLM2-135M's geometry (3 KV heads, 9 query heads, D = 64, bf16, G = 12
 515 to 565 tokens) over a page pool of real packed tiles.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile] [--repeat N] [--rounds N]
-        [--layers N] [--threads N]
+        [--layers N] [--threads N] [--parts]
 
-Prints the CPU time (`time.process_time`, so a shared machine's load does not enter; 1 thread) per layer of each
+Prints the CPU time (`time.process_time`, so a shared machine's load does not enter; 1 thread unless --threads) per
+layer of each
 call and x 30 layers, and of the prompts' store (8 prompts of ~540 tokens: 32 completed blocks encoded in one call,
 kvarn-auto's query statistics updated first, as the backend's forward does); --profile adds cProfile's top lines
 (wall time) of 10 layer-steps; --rounds N times N rounds of 30 steps and reports the median (min and max
@@ -13,14 +14,17 @@ beside it); --repeat N runs N more attend calls after the timing, for a sampling
 (`perf record -o /tmp/p.data ... --repeat 3000`, then `perf report -i /tmp/p.data --dsos kvarn_cpu_decode.so
 --sort symbol`: where the C++ kernel spends its time); --layers N gives each of N layers its own pool and times the
 step over all of them, so that, as in the engine, a layer's rows are no longer in the cache when it is read again
-(`--layers 30 --threads 2`: what the engine's decode meets); --threads N: N threads (wall time as well as CPU time).
-Used for docs/VLLM.md.
+(`--layers 30 --threads 2`: what the engine's decode meets); --threads N: N threads (wall time as well as CPU time);
+--parts times the decode kernel call alone (1 pool, 1 thread, CPU time, best of 7 rounds) with its work cut down:
+whole, packed tiles only, dense rows (sinks and current blocks) only, neither: the fixed cost per call, and what a
+packed token and a dense row cost above it. Used for docs/VLLM.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import time
 
@@ -42,6 +46,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--parts", action="store_true")
     args = ap.parse_args()
     preset = args.preset
     torch.manual_seed(0)
@@ -59,16 +64,13 @@ def main() -> None:
     for q_ in (lay.key_q, lay.value_q):  # load the store kernel before timing
         q_.encode_tiles(torch.randn(2, G, D), torch.ones(2, D) if q_.takes_weight else None)
     queries = torch.randn(sum(lens), HQ, D).bfloat16()
-    t0 = time.process_time()
-    paged.observe_queries(pool, queries)  # kvarn-auto: before the store
-    observe = (time.process_time() - t0) * 1e3
-    paged.write_step(pool, plan, torch.randn(sum(lens), H, D).bfloat16(), torch.randn(sum(lens), H, D).bfloat16(),
-                     "bench")  # the prompts: packed tiles, sinks and filling blocks
-    prefill = (time.process_time() - t0) * 1e3
-    for other in pools[1:]:
-        paged.observe_queries(other, queries)
-        paged.write_step(other, plan, torch.randn(sum(lens), H, D).bfloat16(), torch.randn(sum(lens), H, D).bfloat16(),
-                         "bench")
+    for p in reversed(pools):  # the first pool last: its times are the ones printed
+        t0 = time.process_time()
+        paged.observe_queries(p, queries)  # kvarn-auto: before the store
+        observe = (time.process_time() - t0) * 1e3
+        paged.write_step(p, plan, torch.randn(sum(lens), H, D).bfloat16(), torch.randn(sum(lens), H, D).bfloat16(),
+                         "bench")  # the prompts: packed tiles, sinks and filling blocks
+        prefill = (time.process_time() - t0) * 1e3
 
     def step(n: int) -> tuple[float, float, float]:
         new = [x + 1 for x in lens]
@@ -108,6 +110,37 @@ def main() -> None:
         prof = cProfile.Profile()
         prof.runcall(step, 10)
         pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+    if args.parts:
+        parts(pool, table.plan([(i, i + 1) for i in range(R)], [x - 1 for x in lens], list(lens),
+                               [b[:-(-x // G)] for b, x in zip(blocks, lens)]))
+
+
+def parts(pool: LayerPool, plan) -> None:
+    """The decode kernel call of `paged.batched_decode` timed with its work cut down (module docstring)."""
+    torch.set_num_threads(1)
+    batch = paged.decode_batch(plan, pool)
+    q = torch.randn(R, HQ, D).bfloat16()
+    no_tiles = {"n_blocks": torch.zeros_like(batch.n_blocks)}
+    one_row = {"dense_index": batch.dense_index[:, :, :1].contiguous(),  # a single dense row, always allowed
+               "bias": batch.bias[..., :batch.tiles_len + 1].contiguous()}
+    cases = {"whole": {}, "tiles only": one_row, "dense only": no_tiles, "neither": {**no_tiles, **one_row}}
+    ms = {}
+    for name, cut in cases.items():
+        b = dataclasses.replace(batch, **cut)
+        paged.batched_decode(pool, b, q, D ** -0.5, None)
+        rounds = []
+        for _ in range(7):
+            t0 = time.process_time()
+            for _ in range(200):
+                paged.batched_decode(pool, b, q, D ** -0.5, None)
+            rounds.append((time.process_time() - t0) / 200 * 1e3)
+        ms[name] = min(rounds)
+        print(f"kernel call, {name}: {ms[name]:.3f} ms (CPU time, 1 thread, best of 7 rounds of 200)")
+    tokens = int(batch.n_blocks.sum()) * G * H  # packed (token, KV head) pairs of the call
+    rows = int((batch.bias[:, 0, 0, batch.tiles_len:] == 0).sum()) * H  # dense (row, KV head) pairs the mask allows
+    print(f"fixed cost per call {ms['neither'] * 1e3:.0f} us; a packed token and KV head "
+          f"{(ms['tiles only'] - ms['neither']) * 1e6 / tokens:.1f} ns; a dense row and KV head "
+          f"{(ms['dense only'] - ms['neither']) * 1e6 / rows:.1f} ns ({tokens} and {rows} in the call)")
 
 
 if __name__ == "__main__":

@@ -259,6 +259,11 @@ def _use_fused(query: torch.Tensor, past: KVarNPast | None, softcap: float | Non
     return past is not None and fused.take(fused.unsupported(query, past.keys, past.values, softcap), query.device)
 
 
+def compute_dtype(query_dtype: torch.dtype) -> torch.dtype:
+    """The dtype `packed_attention` computes in: float64 for float64 queries, else float32."""
+    return torch.float64 if query_dtype == torch.float64 else torch.float32
+
+
 def decodes_past(rows: int, softcap: float | None) -> bool:
     """Whether the PyTorch path serves `rows` query rows per KV head (query heads per KV head x queries) by decoding
     the stored past densely (`_decoded_sdpa`) rather than folding the tiles into the logits."""
@@ -296,7 +301,7 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     g = hq // hkv
-    cd = torch.float64 if query.dtype == torch.float64 else torch.float32
+    cd = compute_dtype(query.dtype)
     kv_len = key.shape[2] + (past.length if past is not None else 0)
     keys_view = past.keys if past is not None else None
     values_view = past.values if past is not None else None

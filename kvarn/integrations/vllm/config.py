@@ -16,8 +16,8 @@ Keys of the "kvarn" mapping:
                  sequences can need at once, if that takes at most half of each kvarn page; else half of it, and
                  max_num_seqs lowered to what it holds, in the engine core too: `backend.KVarNAttentionSpec`)
     prefill      the dtype of the SDPA that serves prefill pieces over their decoded past: "model" (default: bf16
-                 when the model runs in bf16, as stock vLLM reads its bf16 pages; ~3x faster on a CPU with
-                 AMX-BF16) or "float32" (as kvarn's transformers cache computes)
+                 when the model runs in bf16, as stock vLLM reads its bf16 pages; faster on a CPU with AMX-BF16) or
+                 "float32" (as kvarn's transformers cache computes)
 
 `additional_config` enters vLLM's config hash, so compiled graphs and caches never mix runs with and without kvarn.
 """

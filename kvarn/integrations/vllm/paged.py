@@ -72,7 +72,7 @@ import torch
 
 from kvarn.attention import fused
 from kvarn.attention import launch as kernel
-from kvarn.attention.packed import KVarNPast, allowed, decodes_past, packed_attention
+from kvarn.attention.packed import KVarNPast, allowed, compute_dtype, decodes_past, packed_attention
 from kvarn.attention.view import StoredKV
 from kvarn.cache.store import fits_dtype
 from kvarn.integrations.vllm.pool import Held, LayerPool, RequestPlan, StepPlan
@@ -451,28 +451,22 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
         if out is None:
             if j and decodes_past(groups * q.shape[2], softcap):  # SDPA over the decoded past: pieces of one shape
                 past = _decoded_past(pool, plan, p, i, j, query.dtype, layer, decoded)  # are served together below
-                same.setdefault(_batch_key(i, j, q, k), []).append((rows, q, k, v, past))
+                same.setdefault(_batch_key(False, j, q, k), []).append((rows, q, k, v, past))
                 continue
             past = past_view(pool, p, j, plan.sink_blocks, query.dtype, plan, layer)
             if past is None:  # nothing stored before this block (a first block): batched as well
-                same.setdefault(("fresh", *_batch_key(i, j, q, k)), []).append((rows, q, k, v, None))
+                same.setdefault(_batch_key(True, j, q, k), []).append((rows, q, k, v, None))
                 continue
             out = packed_attention(q, k[None], v[None], KVarNPast(*past), None, scale, softcap,
                                    kernel=False)  # [1, L, Hq, D]
         output[rows] = out[0]
-    cd = torch.float64 if query.dtype == torch.float64 else torch.float32  # `packed_attention`'s
     # A bf16 model's prefill reads its decoded past in bf16, as stock vLLM reads its bf16 pages (the rounding, 2^-9
-    # relative, is far below the codes' error): CPU SDPA is ~3x faster in bf16 than in float32.
-    sdpa = torch.bfloat16 if prefill == "model" and query.dtype == torch.bfloat16 else None
+    # relative, is far below the codes' error; SDPA is faster in bf16 on a CPU with AMX-BF16: docs/VLLM.md).
+    sdpa = torch.bfloat16 if prefill == "model" and query.dtype == torch.bfloat16 else compute_dtype(query.dtype)
     for pieces in same.values():  # block j of equally long prompts: one call for all of them (batch axis)
-        rows, q, k, v, pasts = zip(*pieces)
-        past = None
-        if pasts[0] is not None:
-            past = KVarNPast(*([_stacked(views, sdpa or cd) for views in zip(*pasts)] if len(pieces) > 1 else pasts[0]))
-        out = packed_attention(torch.cat(q), torch.stack(k), torch.stack(v), past, None, scale, softcap,
-                               kernel=False, sdpa_dtype=sdpa)  # [n, L, Hq, D]
-        for r, o in zip(rows, out):
-            output[r] = o
+        out = _batched_pieces(pieces, scale, softcap, sdpa)  # [n, L, Hq, D]
+        for (rows, *_), o in zip(pieces, out):
+            output[rows] = o
 
 
 def _decoded_past(pool: LayerPool, plan: StepPlan, p: RequestPlan, i: int, j: int, dtype: torch.dtype, layer: str,
@@ -493,17 +487,30 @@ def _decoded_past(pool: LayerPool, plan: StepPlan, p: RequestPlan, i: int, j: in
                  for x, q in zip(decoded[i], (lay.key_q, lay.value_q)))
 
 
-def _batch_key(i: int, j: int, q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
-    """Prefill pieces with one key share one SDPA call: block j, query rows, exact rows (request i not in it)."""
-    return j, q.shape[2], k.shape[1]
+def _batch_key(fresh: bool, j: int, q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """Prefill pieces with one key share one call: nothing stored before them or a decoded past, block j, query
+    rows, exact rows."""
+    return fresh, j, q.shape[2], k.shape[1]
 
 
-def _stacked(views: tuple[StoredKV, ...], cd: torch.dtype) -> StoredKV:
-    """Pasts of equal length (one request each) as one batch of exact rows: what `_decoded_sdpa` reads of each
-    (`dequantized(cd, dense=True)`; the rows themselves for `_decoded_past`'s)."""
+def _batched_pieces(pieces: list[tuple], scale: float, softcap: float | None, sdpa: torch.dtype) -> torch.Tensor:
+    """Prefill pieces (rows, q [1, Hq, L, D], k, v [H, t, D], past: a decoded past or None) of one `_batch_key` as
+    one `packed_attention` call over the batch axis, its SDPA in `sdpa`: [n, L, Hq, D]."""
+    _, q, k, v, pasts = zip(*pieces)
+    past = None
+    if pasts[0] is not None:  # each past as the exact rows `_decoded_sdpa` reads of it, stacked
+        past = KVarNPast(*pasts[0]) if len(pasts) == 1 else KVarNPast(*(_stacked(views, sdpa)
+                                                                         for views in zip(*pasts)))
+    return packed_attention(torch.cat(q), torch.stack(k), torch.stack(v), past, None, scale, softcap, kernel=False,
+                            sdpa_dtype=sdpa)
+
+
+def _stacked(views: tuple[StoredKV, ...], dtype: torch.dtype) -> StoredKV:
+    """Pasts of equal length (one request each) as one batch of exact rows in `dtype`
+    (`dequantized(dtype, dense=True)`: the rows themselves for `_decoded_past`'s)."""
     v = views[0]
     _, h, d = v.shape_bhd
-    return StoredKV(torch.cat([x.dequantized(cd, dense=True) for x in views]), Tiles(), 0, None, _NO_EXACT, None,
+    return StoredKV(torch.cat([x.dequantized(dtype, dense=True) for x in views]), Tiles(), 0, None, _NO_EXACT, None,
                     v.quantizer, (len(views), h, d), v.dtype)
 
 

@@ -197,6 +197,24 @@ const float* e4m3_table() {
   return table.data();
 }
 
+// n 16-bit floats widened to float32: bf16 is the top half of a float; fp16 through F16C where the CPU has it.
+inline void bf16_to_f32(const uint16_t* q, int n, float* out) {
+  auto o = reinterpret_cast<uint32_t*>(out);
+  for (int i = 0; i < n; ++i) o[i] = static_cast<uint32_t>(q[i]) << 16;
+}
+
+inline void fp16_to_f32(const uint16_t* q, int n, float* out) {
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+#endif
+  for (; i < n; ++i) out[i] = c10::detail::fp16_ieee_to_fp32_value(q[i]);
+}
+
 // Scale fields come as fp32, fp16, bf16 or fp8 e4m3fn; read into float32.
 struct Field {
   const char* base = nullptr;
@@ -208,25 +226,8 @@ struct Field {
     const char* p = at(b, h, blk);
     switch (dtype) {
       case c10::ScalarType::Float: std::memcpy(out, p, n * 4); break;
-      case c10::ScalarType::Half: {
-        auto q = reinterpret_cast<const uint16_t*>(p);
-        int i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= n; i += 16)
-          _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i))));
-#elif defined(__F16C__)
-        for (; i + 8 <= n; i += 8)
-          _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
-#endif
-        for (; i < n; ++i) out[i] = c10::detail::fp16_ieee_to_fp32_value(q[i]);
-        break;
-      }
-      case c10::ScalarType::BFloat16: {
-        auto q = reinterpret_cast<const uint16_t*>(p);
-        auto o = reinterpret_cast<uint32_t*>(out);
-        for (int i = 0; i < n; ++i) o[i] = static_cast<uint32_t>(q[i]) << 16;  // bf16 = the top half of a float
-        break;
-      }
+      case c10::ScalarType::Half: fp16_to_f32(reinterpret_cast<const uint16_t*>(p), n, out); break;
+      case c10::ScalarType::BFloat16: bf16_to_f32(reinterpret_cast<const uint16_t*>(p), n, out); break;
       default: {
         const float* lut = e4m3_table();
         auto q = reinterpret_cast<const uint8_t*>(p);
@@ -365,18 +366,15 @@ void finish_logits(const Job& J, int64_t b, int64_t h, float* s, int ss, int n, 
   }
 }
 
-// D elements of a dense row as float32 (bf16 is the top half of a float; fp16 by c10's conversion).
+// D elements of a dense row (float32, fp16 or bf16) as float32.
 template <typename T>
 inline void row_to_f32(const T* src, int D, float* dst) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float>)
     std::memcpy(dst, src, D * 4);
-  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-    auto q = reinterpret_cast<const uint16_t*>(src);
-    auto o = reinterpret_cast<uint32_t*>(dst);
-    for (int d = 0; d < D; ++d) o[d] = static_cast<uint32_t>(q[d]) << 16;
-  } else {
-    for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
-  }
+  else if constexpr (std::is_same_v<T, at::BFloat16>)
+    bf16_to_f32(reinterpret_cast<const uint16_t*>(src), D, dst);
+  else
+    fp16_to_f32(reinterpret_cast<const uint16_t*>(src), D, dst);
 }
 
 using V16 = Vec<16>::f;
@@ -484,15 +482,15 @@ void dense_values(const float* p, int ss, int M, const float* v, int n, int D, f
   }
 }
 
-// Dense rows (key_at(i), value_at(i): row i's elements of type T) at positions pos.., plain basis, in chunks of the
-// logit buffer. Rows the bias masks for every query row (the padding of a batched decode) are skipped, not read; the
-// others are widened to float32 into buf [ss][D] (keys, then values of the chunk).
 struct DenseBuf {  // a chunk of dense rows widened to float32, and the chunk's unmasked row indices
   std::vector<float> buf;
   std::vector<int> idx;
   DenseBuf(int ss, int D) : buf(static_cast<size_t>(ss) * D), idx(ss) {}
 };
 
+// Dense rows (key_at(i), value_at(i): row i's elements of type T) at positions pos.., plain basis, in chunks of the
+// logit buffer. Rows the bias masks for every query row (the padding of a batched decode) are skipped, not read; the
+// others are widened to float32 into db.buf [ss][D] (keys, then values of the chunk).
 template <typename T, typename KAt, typename VAt>
 void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, KAt key_at, VAt value_at, int64_t n,
                 int64_t pos, float* s, int ss, DenseBuf& db) {

@@ -16,6 +16,8 @@ Every vLLM engine start costs about a minute on 2 cores, so each configuration r
     test_engine_server.py and test_engine_load.py; the TP runs on a tiny model, test_engine_tp.py)
 
 Figures go to out/vllm/engine.json (`record`), with the command, machine and versions.
+KVARN_VLLM_PREFILL=float32 sets the plugin's `prefill` option for every kvarn engine (unset: its default, "model"),
+to measure what the bf16 prefill costs in agreement (docs/VLLM.md).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
 RUN_TIMEOUT = 1200
 REPORT = ROOT / "out" / "vllm" / "engine.json"
+PREFILL = os.environ.get("KVARN_VLLM_PREFILL")  # additional_config['kvarn']['prefill'] (module docstring)
 
 def _vllm_installed() -> bool:
     # a folder named vllm on sys.path would be an implicit namespace package (no origin): not vLLM itself
@@ -107,7 +110,7 @@ def llm_kwargs(extra: dict | None = None, **over) -> dict:
 
 
 def kvarn(preset: str = PRESET) -> dict:
-    return {"kvarn": {"preset": preset}}
+    return {"kvarn": {"preset": preset, **({"prefill": PREFILL} if PREFILL else {})}}
 
 
 @dataclass
@@ -340,6 +343,6 @@ def record(key: str, value) -> None:
     rep.update({"command": "make test-vllm", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                 "torch": torch.__version__, "vllm": __import__("vllm").__version__, "model": "smollm2-135m-instruct",
                 "dtype": "bfloat16", "VLLM_CPU_KVCACHE_SPACE_GiB": KV_GIB, "max_num_seqs": 8,
-                "prompt_tokens": list(LENGTHS), "new_tokens": MAX_NEW})
+                "prompt_tokens": list(LENGTHS), "new_tokens": MAX_NEW, "prefill": PREFILL or "model"})
     rep[key] = {**rep.get(key, {}), **value} if isinstance(value, dict) and isinstance(rep.get(key), dict) else value
     REPORT.write_text(json.dumps(rep, indent=2) + "\n")

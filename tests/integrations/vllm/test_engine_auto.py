@@ -72,7 +72,7 @@ def test_query_aware_preset_agrees_with_transformers_cache() -> None:
 
 
 # Lower bound on the teacher-forced agreement with the transformers cache at the budget preset: measured 0.977
-# (125/128) on the 2-core VM, 0.938 (120/128) since the bf16 prefill (docs/VLLM.md). The engines need not choose the
+# (125/128) on the 2-core VM, 0.938 (120/128) at git 76c05f2 (docs/VLLM.md). The engines need not choose the
 # same key widths: vLLM makes one allocation for the engine (on the first prompt long enough), the transformers cache
 # one per sequence.
 MIN_BUDGET_AGREEMENT = 0.85
