@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvarn.generation import make_cache
+from kvarn.integrations.transformers import cache_kwarg
 from kvarn.ops.metrics import kl_divergence
 from kvarn.presets import get_preset
 
@@ -44,10 +45,10 @@ def teacher_forced_logits(model, input_ids: torch.Tensor, cache, prefill: int = 
     t = input_ids.shape[1]
     if not 1 <= prefill <= t:
         raise ValueError(f"prefill must be in [1, {t}], got {prefill}")
-    out = model(input_ids=input_ids[:, :prefill], cache=cache, use_cache=True)
+    out = model(input_ids=input_ids[:, :prefill], use_cache=True, **{cache_kwarg(model): cache})
     rows = [out.logits[0, -1].float()]
     for i in range(prefill, t):
-        out = model(input_ids=input_ids[:, i : i + 1], cache=cache, use_cache=True)
+        out = model(input_ids=input_ids[:, i : i + 1], use_cache=True, **{cache_kwarg(model): cache})
         rows.append(out.logits[0, -1].float())
         if on_step is not None:
             on_step(i)
@@ -92,7 +93,8 @@ def greedy_reference(model, tok, ids: torch.Tensor, new_tokens: int, on_step=Non
             pass
 
     t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         **{cache_kwarg(model): cache},
                          temperature=None, top_p=None, top_k=None, max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, output_logits=True, return_dict_in_generate=True,
                          pad_token_id=tok.pad_token_id, streamer=_Tick())

@@ -5,9 +5,11 @@ registered in kvarn itself. `kvarn-b{2.5,3.0}-rank` are version 2 of the registe
 first, pick "rank"); `kvarn-b{2.5,3.0}-best` are version 3, today's `kvarn-b2.5`/`kvarn-b3.0` (the split between 4-
 and 3-bit layers chosen per request, pick "best"), under the names they were measured as;
 `kvarn-auto-k2v2-g128-prerope` stores keys before RoPE; `kvarn-b{2.5,3.0}-fp8` are version 3 with e4m3 row scales
-(the bits saved buy more promoted layers), `kvarn-b{2.5,3.0}-fp8-qar` the same with query-aware keys. (The
-query-aware variants `kvarn-auto-k2v2-g128-qar` and
-`kvarn-b{2.5,3.0}-qar` measured from here are registered presets now: `kvarn.presets.family`.)
+(the bits saved buy more promoted layers), `kvarn-b{2.5,3.0}-fp8-qar` the same with query-aware keys;
+`kvarn-c{2.5,3.0}` and their `-qar` versions store the share of each key tile's channels that the budget pays for
+at 4 bits (refined channels, `channel_budget_preset`; docs/TASKS.md, "Refined key channels"). (The query-aware
+variants `kvarn-auto-k2v2-g128-qar` and `kvarn-b{2.5,3.0}-qar` measured from here are registered presets now:
+`kvarn.presets.family`.)
 
     python scripts/budget_variants.py eval tasks --model qwen2.5-coder-0.5b --tasks niah_multikey_1 --lengths 4096 \
         --samples 10 --threads 1 --methods dynamic,kvarn-auto-k2v2-g128,kvarn-b2.5,kvarn-b2.5-k3 \
@@ -21,7 +23,7 @@ import sys
 import torch
 
 from kvarn.cli import main
-from kvarn.presets.family import BUDGETS, affine_preset, budget_preset
+from kvarn.presets.family import BUDGETS, affine_preset, budget_preset, channel_budget_preset
 from kvarn.presets.registry import register_preset
 
 
@@ -46,6 +48,9 @@ def register_variants() -> None:
         name = f"kvarn-b{b}-fp8-qar"  # the same with query-aware keys
         register_preset(name, lambda b=b, name=name: budget_preset(b, pick="best", name=name, rounding="query-aware",
                                                                   scale_dtype=torch.float8_e4m3fn))
+    for b in BUDGETS:  # refined key channels within the budget: a share of each key tile's channels at 4 bits
+        register_preset(f"kvarn-c{b}", lambda b=b: channel_budget_preset(b))
+        register_preset(f"kvarn-c{b}-qar", lambda b=b: channel_budget_preset(b, rounding="query-aware"))
     # keys stored before RoPE (a lever of issue 20: Qwen2's k_proj bias is a per-channel constant there, which the
     # per-channel zero points absorb; after RoPE it is a per-position sinusoid); reads decode and redo RoPE
     register_preset("kvarn-auto-k2v2-g128-prerope", lambda: affine_preset(

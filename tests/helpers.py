@@ -208,8 +208,21 @@ def nonfinite_case(seed: int):
 
 # -- a quantizer against the float64 tile oracle of docs/SPEC.md §3 (tests/quant/test_affine.py) ------------------
 def stored_codes(packed: AffineTiles, i: int, bits: int) -> list[list[int]]:
-    """Codes of tile i [R][C], unpacked by the reference bit-by-bit reader."""
-    return [unpack_row(row, bits) for row in packed.codes[i].tolist()]
+    """Codes of tile i [R][C], unpacked by the reference bit-by-bit reader; a refined row's are 4 q + e, its high
+    bits q from `codes`, its low bits e from `refine_codes` (kvarn.quant.tiles.AffineFormat)."""
+    codes = [unpack_row(row, bits) for row in packed.codes[i].tolist()]
+    if packed.refine_rows is not None:
+        for r, low in zip(packed.refine_rows[i].tolist(), packed.refine_codes[i].tolist(), strict=True):
+            codes[r] = [4 * q + e for q, e in zip(codes[r], unpack_row(low, 2), strict=True)]
+    return codes
+
+
+def stored_steps(packed: AffineTiles, i: int) -> list[float]:
+    """Row steps a_r of tile i (float64): the stored row scale, a refined row's divided by 4."""
+    a = packed.row_scale[i].double().tolist()
+    for r in [] if packed.refine_rows is None else packed.refine_rows[i].tolist():
+        a[r] /= 4
+    return a
 
 
 def check_against_reference(q: AffineQuantizer, x: torch.Tensor) -> None:
@@ -223,8 +236,11 @@ def check_against_reference(q: AffineQuantizer, x: torch.Tensor) -> None:
     # even where max|B| is 10x the row's range; only positions that close to k + 0.5 may round differently.
     tie_eps = 1e-3
     for i in range(len(x)):
-        ref: TileRef = quantize_tile_ref(x[i].double(), c.bits, c.axis, c.rotate == "hadamard", c.varn, c.varn_iters)
+        ref: TileRef = quantize_tile_ref(x[i].double(), c.bits, c.axis, c.rotate == "hadamard", c.varn, c.varn_iters,
+                                         q.refine_count(x.shape[2]))
         codes = stored_codes(packed, i, c.bits)
+        if packed.refine_rows is not None:
+            assert packed.refine_rows[i].tolist() == ref.refined, "refined rows differ from the oracle's"
         mismatches = 0
         for r, (got_row, want_row) in enumerate(zip(codes, ref.codes)):
             for col, (got, want) in enumerate(zip(got_row, want_row)):
@@ -243,12 +259,12 @@ def check_against_reference(q: AffineQuantizer, x: torch.Tensor) -> None:
             k = ratio.median().item()
             assert ((ratio - k).abs() <= tol * k).all(), "column scales differ by more than a gauge factor"
         for name, want in (("row_scale", ref.a), ("row_zero", ref.z)):
-            got = getattr(packed, name)[i].double()
+            got = torch.tensor(stored_steps(packed, i)) if name == "row_scale" else getattr(packed, name)[i].double()
             want = torch.tensor(want, dtype=torch.float64) / k
             assert ((got - want).abs() <= want.abs() * tol + FP16_ETA).all(), name
         # reconstruction formula X^[r, c] = (q a_r + z_r) t_c with the stored codes and scales, float64
         t = packed.col_scale[i].double().tolist() if c.varn else None
-        want = reconstruct_ref(codes, packed.row_scale[i].double().tolist(), packed.row_zero[i].double().tolist(),
+        want = reconstruct_ref(codes, stored_steps(packed, i), packed.row_zero[i].double().tolist(),
                                t, c.axis, c.rotate == "hadamard")
         scale = want.abs().max().item()
         assert (dec[i].double() - want).abs().max().item() <= 2e-6 * scale + 1e-30  # float32 decode arithmetic
@@ -274,13 +290,15 @@ def close(a: torch.Tensor, b: torch.Tensor, rel: float = LOGITS_REL) -> bool:
 
 def forward_steps(model, ids, cache, chunks, mask=None, positions=None):
     """Teacher-forced forwards over consecutive chunks of ids (sizes `chunks`); returns the logits of each chunk."""
+    from kvarn.integrations.transformers import cache_kwarg
+
     out, at = [], 0
     with torch.no_grad():
         for n in chunks:
             kw = {} if mask is None else {"attention_mask": mask[:, :at + n]}
             if positions is not None:
                 kw["position_ids"] = positions[:, at:at + n]
-            out.append(model(ids[:, at:at + n], cache=cache, **kw).logits)
+            out.append(model(ids[:, at:at + n], **{cache_kwarg(model): cache}, **kw).logits)
             at += n
     return torch.cat(out, dim=1)
 

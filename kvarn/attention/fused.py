@@ -52,6 +52,8 @@ def unsupported_quantizers(key_q, value_q) -> str | None:
             return f"{what} quantized per {q.config.axis}"
         if q.config.bits not in kernel.KERNEL_BITS:
             return f"{what} have {q.config.bits}-bit codes"
+        if q.config.refine:
+            return f"{what} have refined channels (codes of two widths in a tile)"
     return None
 
 

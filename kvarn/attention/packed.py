@@ -54,7 +54,7 @@ from kvarn.attention.handoff import attach_observer, attach_past, observe, past_
 from kvarn.attention.view import KVarNPast, StoredKV
 from kvarn.ops.hadamard import hadamard_dense
 from kvarn.ops.packing import unpack_codes
-from kvarn.quant.affine import AffineQuantizer
+from kvarn.quant.affine import AffineQuantizer, merge_refined
 from kvarn.quant.tiles import AffineTiles
 
 TILE_CHUNK_ELEMENTS = 1 << 22  # unpacked codes (or decoded elements) per chunk of tiles
@@ -108,8 +108,8 @@ def _fields(view: StoredKV, first: int, last: int, cd: torch.dtype):
     """Unpacked codes [B, H, n, R, C] and scales (row a, row z [B, H, n, R], col [B, H, n, C] or None, rotation
     flags [B, H, n] bool or None) of tiles [first, last), in the compute dtype."""
     f: AffineTiles = view.packed
-    codes = unpack_codes(f.codes[:, :, first:last], f.fmt.bits, dtype=cd)
-    a = f.row_scale[:, :, first:last].to(cd)
+    part = f.select((slice(None), slice(None), slice(first, last)))
+    codes, a = merge_refined(unpack_codes(part.codes, f.fmt.bits, dtype=cd), part.row_scale.to(cd), part)
     z = f.row_zero[:, :, first:last].to(cd)
     col = f.col_scale[:, :, first:last].to(cd) if f.col_scale is not None else None
     flag = f.rotated[:, :, first:last].bool() if f.rotated is not None else None

@@ -77,12 +77,17 @@ def prefilled(model, ids: torch.Tensor, context: int, name: str, max_len: int):
 
     cache = make_cache(name, model, max_len)
     t0 = time.perf_counter()
-    model(ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    from kvarn.integrations.transformers import cache_kwarg
+
+    model(ids[:, :context], use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
     return cache, time.perf_counter() - t0
 
 
 def stepper(model, ids: torch.Tensor, context: int, cache) -> Callable[[], None]:
     """A function that feeds the next token of ids (from position `context` on) to the model with `cache`."""
+    from kvarn.integrations.transformers import cache_kwarg
+
+    kw = {cache_kwarg(model): cache}  # resolved once: the step is timed
     at = [context]
 
     @torch.no_grad()
@@ -90,7 +95,7 @@ def stepper(model, ids: torch.Tensor, context: int, cache) -> Callable[[], None]
         i = at[0]
         if i >= ids.shape[1]:
             raise ValueError(f"ran out of tokens: the text was loaded for {ids.shape[1]} tokens")
-        model(ids[:, i:i + 1], cache=cache, use_cache=True)
+        model(ids[:, i:i + 1], use_cache=True, **kw)
         at[0] = i + 1
 
     return step

@@ -513,11 +513,10 @@ def e2e_check(dev: torch.device, smoke: bool, args: argparse.Namespace) -> None:
     the Triton decode and through PyTorch's packed path alike). The Triton launches are counted, so a silent fallback
     to PyTorch fails the check.
     Timing: median ms per decode step (CUDA-synchronized) of each cache after its own prefill."""
-    import inspect
 
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from kvarn.integrations.transformers import KVarNCache
+    from kvarn.integrations.transformers import KVarNCache, cache_kwarg
     from kvarn.kernels.triton import ops
 
     cfg = LlamaConfig(hidden_size=512 if smoke else 4096, intermediate_size=1024 if smoke else 14336,
@@ -528,7 +527,7 @@ def e2e_check(dev: torch.device, smoke: bool, args: argparse.Namespace) -> None:
     dtype = torch.float32 if smoke else torch.bfloat16
     with torch.device(dev):  # initialised on the device: 1.1e9 parameters take a while on the CPU
         model = LlamaForCausalLM(cfg).to(dtype).eval()
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kw = cache_kwarg(model)
     launches = [0]
     real = ops.decode_attention
 

@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvarn.decoding import chat_prompt
     from kvarn.generation import make_cache, prepare_model
+    from kvarn.integrations.transformers import cache_kwarg
     from kvarn.models import load_model
     from kvarn.presets import get_preset
 
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.sample else dict(
         do_sample=False, temperature=None, top_p=None, top_k=None)
     t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(model): cache},
                          max_new_tokens=args.max_new_tokens, streamer=streamer, pad_token_id=tok.pad_token_id,
                          **sampling)
     dt = time.perf_counter() - t0

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from kvarn.integrations.transformers import cache_kwarg
 from kvarn.presets import Preset
 
 
@@ -101,7 +102,7 @@ def override_store(cache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def forward_block(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:
     """Append the block ids [B, t] to `cache` and return its next-token logits [B, t, V] (float32)."""
-    return model(input_ids=ids, cache=cache, use_cache=True).logits.float()
+    return model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache}).logits.float()
 
 
 @contextmanager
@@ -122,5 +123,5 @@ def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    model(input_ids=input_ids, cache=cache, use_cache=True)
+    model(input_ids=input_ids, use_cache=True, **{cache_kwarg(model): cache})
     return [(layer.keys, layer.values) for layer in cache.layers]

@@ -25,7 +25,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from kvarn.integrations.serving import greedy, prefill
-from kvarn.integrations.transformers import KVarNCache
+from kvarn.integrations.transformers import KVarNCache, cache_kwarg
 from kvarn.presets import DEFAULT_PRESET, get_preset
 
 NAME = "kvarn"
@@ -60,7 +60,7 @@ class KVarNLM(HFLM):
         with torch.no_grad():
             for start in range(0, inps.shape[1], self.chunk):  # right padding: pads come last, read by no real token
                 x = inps[:, start:start + self.chunk]
-                parts.append(self.model(input_ids=x, cache=cache, use_cache=True).logits)
+                parts.append(self.model(input_ids=x, use_cache=True, **{cache_kwarg(self.model): cache}).logits)
         return torch.cat(parts, dim=1)
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],

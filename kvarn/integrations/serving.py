@@ -9,7 +9,9 @@ import torch
 
 def forward_logprobs(model, ids: torch.Tensor, cache, keep: int = 1) -> torch.Tensor:
     """Append ids [1, t] to `cache`; float64 log-probabilities of the last `keep` positions [keep, V]."""
-    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep).logits[0].double()
+    from kvarn.integrations.transformers import cache_kwarg
+
+    logits = model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): cache}).logits[0].double()
     return torch.log_softmax(logits, -1)
 
 

@@ -56,6 +56,7 @@ propagates the non-finite values exactly as full-precision attention would.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,6 +93,20 @@ SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def cache_kwarg(model) -> str:
+    """The keyword a model's forward takes its cache under: "cache" from transformers 5.24, "past_key_values" before
+    (an older forward takes `cache=` into its **kwargs and silently runs without it)."""
+    cls = type(model)
+    name = _CACHE_KWARG.get(cls)
+    if name is None:
+        params = inspect.signature(model.forward).parameters
+        name = _CACHE_KWARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return name
+
+
+_CACHE_KWARG: dict[type, str] = {}
 
 
 def text_config(config):

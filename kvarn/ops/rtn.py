@@ -90,7 +90,8 @@ def query_aware_bases(sigma: torch.Tensor, rotate: int, damp: float = 0.01) -> t
     return coef.view(len(bases), n, d, d).transpose(0, 1).contiguous()
 
 
-def query_aware_round(u: torch.Tensor, coef: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+def query_aware_round(u: torch.Tensor, coef: torch.Tensor, step: torch.Tensor, bits: int,
+                      row_levels: torch.Tensor | None = None) -> torch.Tensor:
     """Round codes column by column so that the error of each column, in the rows' own units, minimises
     e^T Sigma' e (not sum e^2): Babai's nearest plane over the rows, the greedy choice of GPTQ/OBQ's error feedback.
     u [N, R, C] unrounded codes (rows: the axis the error couples, a key tile's channels; columns: its tokens), coef
@@ -100,10 +101,12 @@ def query_aware_round(u: torch.Tensor, coef: torch.Tensor, step: torch.Tensor, b
     before it, each times W_jr / W_jj:
         m_rj = C_rj a_r / a_j
         q_r = clamp(round(w_r), 0, 2^b - 1),  w_j += m_rj (u_r - q_r)      for j > r (w = u at first), r = 0..R-1
-    product, then sum, in u's dtype. A diagonal Sigma is plain round-to-nearest, bit for bit. Returns uint8 codes
-    [N, R, C]."""
+    product, then sum, in u's dtype. A diagonal Sigma is plain round-to-nearest, bit for bit. row_levels [N, R]: each
+    row's largest code instead of 2^b - 1 (rows on finer grids: refined key channels). Returns uint8 codes [N, R, C]."""
     levels = (1 << check_bits(bits)) - 1
     n, r, _ = u.shape
+    if row_levels is not None and row_levels.shape != (n, r):
+        raise ValueError(f"row_levels must be [N, R] = {(n, r)}, got {tuple(row_levels.shape)}")
     if coef.shape != (n, r, r) or step.shape != (n, r):
         raise ValueError(f"coef must be [N, R, R] = {(n, r, r)} and step [N, R] = {(n, r)}, got "
                          f"{tuple(coef.shape)} and {tuple(step.shape)}")
@@ -112,7 +115,8 @@ def query_aware_round(u: torch.Tensor, coef: torch.Tensor, step: torch.Tensor, b
     w = u.clone()
     q = torch.empty_like(w)
     for i in range(r):
-        qi = torch.round(w[:, i]).clamp_(0, levels)  # [N, C]
+        qi = torch.round(w[:, i]).clamp_(0, levels) if row_levels is None else torch.minimum(
+            torch.round(w[:, i]).clamp_(min=0), row_levels[:, i:i + 1].to(w.dtype))  # [N, C]
         q[:, i] = qi
         if i + 1 < r:
             err = u[:, i] - qi  # [N, C]: the row's own error, not what earlier rows pushed onto it

@@ -23,6 +23,7 @@ from kvarn.presets.preset import Preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer, QueryAwareQuantizer, Rotate
 from kvarn.quant.base import TileQuantizer
 from kvarn.quant.cache_policy import CachePolicy
+from kvarn.quant.tiles import REFINE_BITS
 
 Entry = tuple[str, Callable[[], Preset], tuple[str, ...]]  # (name, factory, aliases)
 
@@ -46,8 +47,9 @@ ROUNDING_SUFFIX = {"nearest": "", "query-aware": "-qar"}  # key rounding -> the 
 
 
 def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | None = None,
-                  scale_dtype: torch.dtype = torch.float16, rounding: str = "nearest") -> Preset:
-    """`{family}-k{k_bits}v{v_bits}-g{tile}`; rounding "query-aware": keys by `QueryAwareQuantizer` (name + "-qar")."""
+                  scale_dtype: torch.dtype = torch.float16, rounding: str = "nearest", refine: float = 0.0) -> Preset:
+    """`{family}-k{k_bits}v{v_bits}-g{tile}`; rounding "query-aware": keys by `QueryAwareQuantizer` (name + "-qar");
+    refine: the share of each key tile's channels at k_bits + 2 (`AffineConfig.refine`)."""
     if rounding not in ROUNDING_SUFFIX:
         raise ValueError(f"rounding must be one of {tuple(ROUNDING_SUFFIX)}, got {rounding!r}")
     rk, rv, use_varn, desc = FAMILIES[family]
@@ -56,7 +58,7 @@ def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | 
 
     def key(_: int) -> TileQuantizer:
         return key_cls(AffineConfig(k_bits, "channel", rk, use_varn, tile=tile, scale_dtype=scale_dtype,
-                                    col_scale_dtype=col))
+                                    col_scale_dtype=col, refine=refine))
 
     def value(_: int) -> TileQuantizer:
         return AffineQuantizer(AffineConfig(v_bits, "token", rv, use_varn, tile=tile, scale_dtype=scale_dtype,
@@ -68,6 +70,10 @@ def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | 
     if rounding != "nearest":
         params["rounding"] = rounding
         desc += "; keys rounded query-aware (e^T Sigma_q e with the running E[q q^T])"
+    if refine:
+        params["refine"] = refine
+        desc += (f"; {refine:.1%} of each key tile's channels at {k_bits + REFINE_BITS} bits (those the queries weigh "
+                 "most)")
     name = name or f"{family}-k{k_bits}v{v_bits}-g{tile}{ROUNDING_SUFFIX[rounding]}"
     return Preset(name=name, description=desc, key=key, value=value,
                   policy=CachePolicy(tile=tile), family=family, k_bits=k_bits, v_bits=v_bits, params=params)
@@ -118,6 +124,27 @@ def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str 
                                key_mid=None if mid is None else affine_preset(
                                    "kvarn-auto", mid, 2, tile, scale_dtype=scale_dtype, rounding=rounding).key,
                                params=params, version=3 if pick == "best" else 2 if mid is not None else 1)
+
+
+def channel_budget_preset(bits: float, tile: int = 128, rounding: str = "nearest", name: str | None = None) -> Preset:
+    """`kvarn-c{bits}`: kvarn-auto k2v2 whose key tiles each store the share of channels that `bits` pays for at 4
+    bits (refined channels, `kvarn.quant.affine`: per tile the channels with the largest query-weighted error, from
+    the running query energy; calibration-free), the most channels with (k + v) / 2 <= bits at head_dim 128, stored
+    bytes counted (2 bits per token and an index byte per refined channel)."""
+    d = BUDGET_HEAD_DIM
+
+    def build(rows: int) -> Preset:
+        return affine_preset("kvarn-auto", 2, 2, tile, rounding=rounding, refine=rows / d,
+                             name=name or f"kvarn-c{bits}{ROUNDING_SUFFIX[rounding]}")
+
+    def average(p: Preset) -> float:
+        return sum(q.bits_per_element(d) for q in p.quantizers(d)) / 2
+
+    rows = max((r for r in range(d) if average(build(r)) <= bits), default=0)
+    p = build(rows)
+    return dataclasses.replace(
+        p, description=p.description + f": <= {bits} bits/element at head_dim {d}", k_bits=round(2 + 2 * rows / d, 4),
+        params={**p.params, "budget": bits, "budget_head_dim": d})
 
 
 def _entries() -> tuple[Entry, ...]:

@@ -12,6 +12,13 @@ Stored (scales in `scale_dtype`, fp16 by default):
     col_scale [C]  t = s_c          (only with VarN)
     rotated   []   uint8 flag       (only with rotate="auto": chosen per tile, `kvarn.quant.policy`)
 Reconstruction: X^[r, c] = (q[r, c] * a_r + z_r) * t_c, transposed back, then @ H where rotated.
+
+Refined channels (keys, `AffineConfig.refine` > 0; issue 20): in each tile the k rows (channels) whose error the
+queries weigh most, w_r a_r^2 (w the running query energy E[q_r^2] in the plain basis, 1 in the rotated one, a_r
+the row's step at `bits`; `refined_rows`), are rounded at bits + 2 on their own grid (step a'_r = range / (2^(b+2) -
+1)); the code c = 4 q + e is stored as q in `codes` and e in `refine_codes`, with a_r = 4 a'_r, so
+X^[r, c] = ((4 q + e) a_r / 4 + z_r) t_c (`merge_refined`). Query-aware rounding rounds the refined rows on their
+finer grid within the same error feedback.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from kvarn.ops.seats import supported
 from kvarn.ops.varn import DEFAULT_ITERS, varn
 from kvarn.quant.base import TileQuantizer, check_tiles
 from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy, kernel_weighted
-from kvarn.quant.tiles import AffineFormat, AffineTiles
+from kvarn.quant.tiles import REFINE_BITS, AffineFormat, AffineTiles
 
 STORE_SEAT = torch.ops.kvarn.tile_store.default  # the op seat (kvarn.ops.seats); the C++ kernel serves CPU tiles
 COEF_SEAT = torch.ops.kvarn.query_aware_coefficients.default
@@ -71,10 +78,33 @@ def relative_col_scales(x: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tenso
     return x / t.unsqueeze(-2) / s_row.unsqueeze(-1), t, s_row
 
 
+def merge_refined(q: torch.Tensor, a: torch.Tensor, p: AffineTiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpacked codes q [..., R, C] and row scales a [..., R] (floating) of tiles p with their refined rows' low bits
+    merged: q_r <- 2^REFINE_BITS q_r + e_r, a_r <- a_r / 2^REFINE_BITS (exact: a power of two). Unchanged without
+    refined rows."""
+    if p.refine_rows is None:
+        return q, a
+    idx = p.refine_rows.long()  # [..., k]
+    e = unpack_codes(p.refine_codes, REFINE_BITS).to(q.dtype)  # [..., k, C]
+    rows = idx.unsqueeze(-1).expand_as(e)
+    scale = 1 << REFINE_BITS
+    return (q.scatter(-2, rows, q.gather(-2, rows) * scale + e),
+            a.scatter(-1, idx, a.gather(-1, idx) / scale))
+
+
+def refined_rows(step: torch.Tensor, weight: torch.Tensor | None, k: int) -> torch.Tensor:
+    """The k rows [N, k] (ascending) of each tile to refine: the largest w_r a_r^2 (a [N, R] the rows' steps, w [N, R]
+    the query energy in the rows' basis, None: 1), ties to the lower row; non-finite scores count as 0."""
+    score = step.float().square() if weight is None else step.float().square() * weight.float()
+    order = torch.sort(torch.nan_to_num(score, nan=0.0, posinf=0.0, neginf=0.0), dim=-1, descending=True,
+                       stable=True).indices
+    return order[:, :k].sort(dim=-1).values
+
+
 def decode_rows(p: AffineTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """X^[r, c] = (q[r, c] a_r + z_r) t_c in float32 (or `dtype`), rows x cols of each tile (module docstring)."""
-    q = unpack_codes(p.codes, p.fmt.bits).to(dtype)
-    x = q * p.row_scale.to(dtype).unsqueeze(-1) + p.row_zero.to(dtype).unsqueeze(-1)
+    q, a = merge_refined(unpack_codes(p.codes, p.fmt.bits).to(dtype), p.row_scale.to(dtype), p)
+    x = q * a.unsqueeze(-1) + p.row_zero.to(dtype).unsqueeze(-1)
     col = p.col_scale
     return x * col.to(dtype).unsqueeze(-2) if col is not None else x
 
@@ -113,6 +143,7 @@ class AffineConfig:
     tile: int = 128
     scale_dtype: torch.dtype = torch.float16
     col_scale_dtype: torch.dtype | None = None  # VarN column scales; None: scale_dtype (see relative_col_scales)
+    refine: float = 0.0  # keys: the share of a tile's channels at bits + 2 (floor(refine * D) rows; module docstring)
 
 
 class AffineQuantizer(TileQuantizer):
@@ -126,11 +157,17 @@ class AffineQuantizer(TileQuantizer):
             raise ValueError(f"axis must be 'channel' or 'token', got {config.axis!r}")
         if config.rotate not in ("none", "hadamard", "auto"):
             raise ValueError(f"rotate must be 'none', 'hadamard' or 'auto', got {config.rotate!r}")
+        if not 0.0 <= config.refine < 1.0 or (config.refine and config.axis != "channel"):
+            raise ValueError(f"refine is a share in [0, 1) of a key tile's channels (axis 'channel'), got "
+                             f"{config.refine!r} on axis {config.axis!r}")
+        if config.refine:
+            check_bits(config.bits + REFINE_BITS)  # the refined rows' width must be one the packing supports
         self.config = config
         self.tile = config.tile
         self.policy = get_policy(policy)  # rotate="auto" only: kvarn.quant.policy
         parts = ["rot" if config.rotate == "hadamard" else config.rotate if config.rotate == "auto" else "",
-                 "varn" if config.varn else "", f"rtn{config.bits}", config.axis]
+                 "varn" if config.varn else "", f"rtn{config.bits}",
+                 f"r{config.refine:g}" if config.refine else "", config.axis]
         self.name = "-".join(p for p in parts if p)
         self._formats: dict[int, AffineFormat] = {}
 
@@ -141,8 +178,12 @@ class AffineQuantizer(TileQuantizer):
             c = self.config
             f = self._formats[head_dim] = AffineFormat(
                 c.bits, c.axis, c.rotate, c.tile, head_dim, c.scale_dtype, zero_dtype(c.scale_dtype),
-                (c.col_scale_dtype or c.scale_dtype) if c.varn else None)
+                (c.col_scale_dtype or c.scale_dtype) if c.varn else None, self.refine_count(head_dim))
         return f
+
+    def refine_count(self, head_dim: int) -> int:
+        """Refined channels per tile at head_dim D: floor(refine * D)."""
+        return int(self.config.refine * head_dim + 1e-9)
 
     def template(self, head_dim: int) -> AffineTiles:
         return AffineTiles.template_of(self.format(head_dim))
@@ -177,17 +218,51 @@ class AffineQuantizer(TileQuantizer):
         return (delta, lo) if s_row is None else (delta * s_row, lo * s_row)
 
     def _tiles(self, q: torch.Tensor, delta: torch.Tensor, lo: torch.Tensor, s_col: torch.Tensor | None,
-               fmt: AffineFormat) -> AffineTiles:
+               fmt: AffineFormat, refined: torch.Tensor | None = None) -> AffineTiles:
+        """The stored fields; refined [N, k]: rows whose codes q hold bits + REFINE_BITS (split into the two planes,
+        their row scale delta times 2^REFINE_BITS)."""
         c = self.config
+        extra = {}
+        if refined is not None:
+            rows = refined.unsqueeze(-1).expand(-1, -1, q.shape[-1])
+            fine = q.gather(1, rows)
+            q = q.scatter(1, rows, fine >> REFINE_BITS)
+            delta = delta.scatter(1, refined, delta.gather(1, refined) * (1 << REFINE_BITS))
+            extra = {"refine_rows": refined.to(torch.uint8),
+                     "refine_codes": pack_codes(fine & ((1 << REFINE_BITS) - 1), REFINE_BITS)}
         return AffineTiles(pack_codes(q, c.bits), store_scale(delta, c.scale_dtype),
                            store_scale(lo, zero_dtype(c.scale_dtype)),
                            store_scale(s_col, c.col_scale_dtype or c.scale_dtype) if s_col is not None else None,
-                           fmt=fmt)
+                           fmt=fmt, **extra)
 
-    def _encode_rows(self, x: torch.Tensor, fmt: AffineFormat) -> AffineTiles:
+    def _targets(self, b: torch.Tensor, s_row: torch.Tensor | None, fmt: AffineFormat, weight: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """RTN's unrounded codes u [N, R, C], delta and lo [N, R, 1] of the balanced rows b, the largest code per
+        row levels [N, R, 1], and the refined rows [N, k] (None without): those rows on the grid of bits +
+        REFINE_BITS (module docstring)."""
+        bits = self.config.bits
+        u, delta, lo = rtn_targets(b, bits)
+        levels = torch.full_like(delta, (1 << bits) - 1)
+        if not fmt.refine:
+            return u, delta, lo, levels, None
+        step = delta.squeeze(-1) if s_row is None else delta.squeeze(-1) * s_row
+        rows = refined_rows(step, weight, fmt.refine)  # [N, k]
+        idx = rows.unsqueeze(-1)
+        u_f, delta_f, _ = rtn_targets(b.gather(1, idx.expand(-1, -1, b.shape[-1])), bits + REFINE_BITS)
+        u = u.scatter(1, idx.expand_as(u_f), u_f)
+        delta = delta.scatter(1, idx, delta_f)
+        levels = levels.scatter(1, idx, torch.full_like(delta_f, (1 << bits + REFINE_BITS) - 1))
+        return u, delta, lo, levels, rows
+
+    def _encode_rows(self, x: torch.Tensor, fmt: AffineFormat, weight: torch.Tensor | None = None) -> AffineTiles:
+        """Rows x [N, R, C] encoded; weight [N, R]: the query energy of refined-row selection (None: 1)."""
         b, s_col, s_row = self._normalized(x)
-        q, delta, lo = rtn_quantize(b, self.config.bits)
-        return self._tiles(q, *self._row_steps(delta, lo, s_row), s_col, fmt)
+        if not fmt.refine:
+            q, delta, lo = rtn_quantize(b, self.config.bits)
+            return self._tiles(q, *self._row_steps(delta, lo, s_row), s_col, fmt)
+        u, delta, lo, levels, rows = self._targets(b, s_row, fmt, weight)
+        q = torch.minimum(torch.round(u).clamp_(min=0), levels).to(torch.uint8)
+        return self._tiles(q, *self._row_steps(delta, lo, s_row), s_col, fmt, rows)
 
     def _decode_rows(self, p: AffineTiles) -> torch.Tensor:
         return decode_rows(p)
@@ -251,6 +326,8 @@ class AffineQuantizer(TileQuantizer):
         c = self.config
 
         def why() -> str | None:
+            if c.refine:
+                return "refined channels (refine > 0) have no store kernel yet"
             return supported("tile_store", x.device, x, c.bits, c.axis == "channel", c.varn, c.varn_iters,
                              c.scale_dtype, self.format(x.shape[2]).col_dtype,
                              c.rotate != "auto" or kernel_weighted(self.policy) is not None,
@@ -259,8 +336,10 @@ class AffineQuantizer(TileQuantizer):
         return use_kernel(why, f"the fused store kernel cannot encode {self.name}")
 
     def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
-        """The PyTorch path of `encode` (the oracle of the kernel), for checked tiles x [N, G, D]."""
-        return self._encode_bases(x, weight, lambda rows, fmt, rotated: self._encode_rows(rows, fmt))
+        """The PyTorch path of `encode` (the oracle of the kernel), for checked tiles x [N, G, D]. Refined rows are
+        chosen with the weight in the plain basis, 1 in the rotated one (the rotation spreads the query energy)."""
+        return self._encode_bases(x, weight, lambda rows, fmt, rotated: self._encode_rows(
+            rows, fmt, None if rotated else weight))
 
     def _encode_bases(self, x: torch.Tensor, weight: torch.Tensor | None,
                       encode_rows: Callable[[torch.Tensor, AffineFormat, bool], AffineTiles]) -> AffineTiles:
@@ -291,7 +370,8 @@ class AffineQuantizer(TileQuantizer):
         c = self.config
         return {"name": self.name, "tile": c.tile, "bits": c.bits, "axis": c.axis, "rotate": c.rotate,
                 "varn": c.varn, "varn_iters": c.varn_iters, "scale_dtype": str(c.scale_dtype).removeprefix("torch."),
-                **({"col_scale_dtype": str(c.col_scale_dtype).removeprefix("torch.")} if c.col_scale_dtype else {})}
+                **({"col_scale_dtype": str(c.col_scale_dtype).removeprefix("torch.")} if c.col_scale_dtype else {}),
+                **({"refine": c.refine, "refine_bits": c.bits + REFINE_BITS} if c.refine else {})}
 
 
 class QueryAwareQuantizer(AffineQuantizer):
@@ -350,12 +430,14 @@ class QueryAwareQuantizer(AffineQuantizer):
         diag, sigma = self._split(weight)
         return self._store_seat(x, diag, None if sigma is None else self.coefficients(sigma.to(x.device)))
 
-    def _encode_rows_qa(self, x: torch.Tensor, fmt: AffineFormat, coef: torch.Tensor) -> AffineTiles:
-        """`_encode_rows` with the codes rounded with coefficients coef [N, D, D]."""
+    def _encode_rows_qa(self, x: torch.Tensor, fmt: AffineFormat, coef: torch.Tensor,
+                        weight: torch.Tensor | None = None) -> AffineTiles:
+        """`_encode_rows` with the codes rounded with coefficients coef [N, D, D]; weight: as `_encode_rows`."""
         b, s_col, s_row = self._normalized(x)
-        u, delta, lo = rtn_targets(b, self.config.bits)
+        u, delta, lo, levels, rows = self._targets(b, s_row, fmt, weight)
         delta, lo = self._row_steps(delta, lo, s_row)
-        return self._tiles(query_aware_round(u, coef, delta, self.config.bits), delta, lo, s_col, fmt)
+        codes = query_aware_round(u, coef, delta, self.config.bits, None if rows is None else levels.squeeze(-1))
+        return self._tiles(codes, delta, lo, s_col, fmt, rows)
 
     def encode_reference(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> AffineTiles:
         """`AffineQuantizer.encode_reference` with query-aware codes where weight is [N, D, D] (class docstring)."""
@@ -369,7 +451,7 @@ class QueryAwareQuantizer(AffineQuantizer):
         policy's weight diag [N, D]."""
         plain = 1 if self.config.rotate == "auto" else 0
         return self._encode_bases(x, diag, lambda rows, fmt, rotated: self._encode_rows_qa(
-            rows, fmt, coef[:, 0 if rotated else plain]))
+            rows, fmt, coef[:, 0 if rotated else plain], None if rotated else diag))
 
     def describe(self) -> Mapping[str, object]:
         return {**super().describe(), "rounding": "query-aware", "damp": self.damp}

@@ -26,6 +26,7 @@ from kvarn.ops.codes import Rotation
 from kvarn.ops.packing import packed_size
 
 T = TypeVar("T", bound="Tiles")
+REFINE_BITS = 2  # the bits a refined row of an AffineFormat adds to its codes
 
 
 _SLOTS: dict[type, tuple[dataclasses.Field, ...]] = {}
@@ -173,6 +174,10 @@ class AffineFormat:
         row_scale [R] scale_dtype          row_zero [R] zero_dtype
         col_scale [C] col_dtype            (VarN only: col_dtype is not None)
         rotated   []  uint8                (rotate="auto" only)
+        refine_rows  [k] uint8             (refine = k > 0, keys only: the rows whose codes carry 2 more bits)
+        refine_codes [k, packed_size(C, 2)] uint8   those rows' 2 low bits; `codes` holds their high bits
+    A refined row r of codes q (high) and e (low) decodes as ((4 q + e) a_r / 4 + z_r) t_c: its row scale is 4x its
+    step, so the `codes` plane alone reads it at `bits` bits (`kvarn.quant.affine.merge_refined`).
     """
 
     bits: int
@@ -183,6 +188,12 @@ class AffineFormat:
     scale_dtype: torch.dtype
     zero_dtype: torch.dtype
     col_dtype: torch.dtype | None  # None: no column scales (VarN off)
+    refine: int = 0  # rows per tile whose codes carry REFINE_BITS more bits (keys only)
+
+    def __post_init__(self) -> None:
+        if self.refine and (self.axis != "channel" or not 0 < self.refine <= min(self.head_dim, 256)):
+            raise ValueError(f"refined rows are key channels (axis 'channel'), at most min(head_dim, 256) of them; "
+                             f"got {self.refine} rows, axis {self.axis!r}, head_dim {self.head_dim}")
 
     @property
     def rows(self) -> int:
@@ -205,6 +216,9 @@ class AffineFormat:
             out.append(FieldSpec("col_scale", (c,), self.col_dtype))
         if self.rotate == "auto":
             out.append(FieldSpec("rotated", (), torch.uint8))
+        if self.refine:
+            out += [FieldSpec("refine_rows", (self.refine,), torch.uint8),
+                    FieldSpec("refine_codes", (self.refine, packed_size(c, REFINE_BITS)), torch.uint8)]
         return tuple(out)
 
     @property
@@ -238,6 +252,8 @@ class AffineTiles(Tiles):
     row_zero: torch.Tensor | None
     col_scale: torch.Tensor | None = None
     rotated: torch.Tensor | None = None
+    refine_rows: torch.Tensor | None = None
+    refine_codes: torch.Tensor | None = None
     fmt: AffineFormat = param()  # noqa: RUF009 (a dataclasses.field with metadata)
 
     @classmethod

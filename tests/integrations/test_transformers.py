@@ -8,6 +8,7 @@ relative per op) amplified through a 2-layer random model stays two orders of ma
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -577,3 +578,28 @@ def test_non_finite_kv(seed):
     b = dirty.nbytes()
     assert b.exact_tiles == 2 * 2 * (64 * 64 * 4 + 3 * 8) and b.total == walk_bytes(dirty)  # 2 layers x (K, V)
     assert b.total > clean.nbytes().total
+
+
+def test_cache_keyword_follows_the_forward_signature(seed):
+    """transformers 5.24 renamed the cache keyword (past_key_values -> cache); an older forward takes `cache=` into
+    its **kwargs and runs without it, silently (found running the serving protocol in .venv-vllm, transformers
+    5.19). `cache_kwarg` names what the forward takes, and a cached continuation equals the uncached forward."""
+    from kvarn.integrations.transformers import cache_kwarg
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    assert cache_kwarg(Old()) == "past_key_values" and cache_kwarg(New()) == "cache"
+    model = make_tiny_model("llama")
+    assert cache_kwarg(model) in inspect.signature(model.forward).parameters
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (1, 24), generator=gen)
+    with torch.no_grad():
+        whole = model(ids).logits[0, -1]
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :20], use_cache=True, **{cache_kwarg(model): cache})
+        last = model(ids[:, 20:], use_cache=True, **{cache_kwarg(model): cache}).logits[0, -1]
+    assert torch.allclose(last, whole, atol=1e-4)

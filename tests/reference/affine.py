@@ -6,6 +6,8 @@ Token-major tile x [G, D]:
     B, s_c, s_r = varn_ref(X)                  (if VarN; else B = X, s_c = s_r = 1)
     q, delta, lo = rtn per row of B
     a_r = s_r * delta_r, z_r = s_r * lo_r, t_c = s_c
+    refined channels (keys, refine = k > 0): the k rows of largest w_r a_r^2 (w the weight, 1 without; ties to the
+    lower row) get rtn at bits + 2 instead, a_r = s_r * delta'_r   (kvarn.quant.affine, "Refined channels")
 Reconstruction X^[r, c] = (q[r, c] * a_r + z_r) * t_c, i.e.
     keys   K^[d, g] = (q[d, g] a_d + z_d) t_g        values  V^[g, d] = (q[g, d] a'_g + z'_g) c_d
 then transposed back to token-major and multiplied by H where rotated.
@@ -32,10 +34,11 @@ class TileRef:
     z: list[float]  # [R]
     t: list[float]  # [C] (ones without VarN)
     recon: torch.Tensor  # [G, D] float64 from the unrounded scales
+    refined: list[int]  # rows at bits + 2 (ascending; empty without refinement)
 
 
 def quantize_tile_ref(x: torch.Tensor, bits: int, axis: str, rotate: bool, use_varn: bool,
-                      iters: int = 8) -> TileRef:
+                      iters: int = 8, refine: int = 0, weight: list[float] | None = None) -> TileRef:
     w = x.double() @ hadamard_reference(x.shape[1]) if rotate else x.double()
     rows_t = w.T if axis == "channel" else w
     rows = rows_t.tolist()
@@ -45,9 +48,16 @@ def quantize_tile_ref(x: torch.Tensor, bits: int, axis: str, rotate: bool, use_v
         b, s_c, s_r = rows, [1.0] * len(rows[0]), [1.0] * len(rows)
     codes, delta, lo, positions = rtn_rows(b, bits)
     a = [s_r[r] * delta[r] for r in range(len(rows))]
+    w = weight or [1.0] * len(rows)
+    score = [w[r] * a[r] ** 2 for r in range(len(rows))]
+    refined = sorted(sorted(range(len(rows)), key=lambda r: (-score[r], r))[:refine])
+    for r in refined:
+        c2, d2, l2, p2 = rtn_rows([b[r]], bits + 2)
+        codes[r], delta[r], lo[r], positions[r] = c2[0], d2[0], l2[0], p2[0]
+        a[r] = s_r[r] * delta[r]
     z = [s_r[r] * lo[r] for r in range(len(rows))]
     recon = reconstruct_ref(codes, a, z, s_c, axis, rotate)
-    return TileRef(rows, b, codes, positions, a, z, list(s_c), recon)
+    return TileRef(rows, b, codes, positions, a, z, list(s_c), recon, refined)
 
 
 def reconstruct_ref(codes: list[list[int]], a: list[float], z: list[float], t: list[float] | None, axis: str,

@@ -23,14 +23,15 @@ def hessian(sigma: torch.Tensor, step: torch.Tensor, damp: float = 0.01) -> torc
     return a[:, None] * s * a[None, :]
 
 
-def query_aware_column(u: list[float], h: torch.Tensor, bits: int) -> list[int]:
-    """Codes of one column u [R] (a list of floats) under H' [R, R] (`hessian`)."""
-    levels = 2**bits - 1
+def query_aware_column(u: list[float], h: torch.Tensor, bits: int | list[int]) -> list[int]:
+    """Codes of one column u [R] (a list of floats) under H' [R, R] (`hessian`); bits: the width of every row, or
+    each row's largest code (rows on grids of two widths: refined key channels)."""
     r = len(u)
+    top = [2**bits - 1] * r if isinstance(bits, int) else list(bits)
     w = [float(x) for x in u]
     out = []
     for i in range(r):
-        q = min(max(round(w[i]), 0), levels)  # Python rounds half to even, like torch.round
+        q = min(max(round(w[i]), 0), top[i])  # Python rounds half to even, like torch.round
         out.append(q)
         e = w[i] - q
         if i + 1 < r:

@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=None,
                         help="comma-separated: dynamic (full precision), kvarn preset names, quanto-2bit, hqq-2bit "
                              f"(default: {DEFAULT_METHODS})")
-    parser.add_argument("--protocols", default=None, help="serving, generate or both (default: serving)")
+    parser.add_argument("--protocols", default=None,
+                        help="comma-separated: serving, generate, vllm (each method served by a vLLM engine: stock "
+                             "for dynamic, the kvarn plugin for a preset; needs .venv-vllm) (default: serving)")
     parser.add_argument("--samples", type=positive_int, default=None, help="samples per task and size (default: 10)")
     parser.add_argument("--lines", type=int_list, default=None,
                         help="line counts of line retrieval (default: 100,200,400,600)")
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     protocols = list(dict.fromkeys(p for c in cells for p in c.protocols))
     bad = [p for p in protocols if p not in PROTOCOLS]
     if bad or not protocols:
-        raise ValueError(f"--protocols: expected serving and/or generate, got {','.join(protocols)!r}")
+        raise ValueError(f"--protocols: expected serving, generate and/or vllm, got {','.join(protocols)!r}")
     if args.sink is not None and args.sink < 0:
         raise ValueError(f"--sink must be >= 0, got {args.sink}")
     haystack, context_tokens = cells[0].plan.haystack, cells[0].plan.context_tokens  # the same in every cell
@@ -109,8 +111,10 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model)
     ctx = getattr(model.config, "max_position_embeddings", None)
     work = [(slots(list(c.tasks), c.plan, tok), c.methods, c.protocols) for c in cells]
+    from kvarn.models import resolve
+
     records = run_all(model, tok, work, out, chunk=args.chunk, gold=not args.no_gold, sink=args.sink,
-                      max_context=ctx)
+                      max_context=ctx, model_path=str(resolve(args.model)))
     result = {**header, "plan": args.plan, "chunk": args.chunk, "seed": args.seed,
               "haystack": haystack, "methods": methods, "protocols": protocols, "tasks": tasks, "samples": len(records),
               "rows": summarize(records, args.seed)}

@@ -6,6 +6,8 @@ and what the cache held at the end.
               prefix reuse in a server; then the answer is decoded greedily one token at a time through the cache.
     generate  `model.generate(input_ids, cache=cache, do_sample=False)` as a transformers user calls it: one prefill
               over exact K/V, quantized tiles read from the first generated token on.
+    vllm      the method served by a vLLM engine (stock for "dynamic", the kvarn plugin for a preset), prompts in
+              chunks of `chunk` tokens; `vllm_protocol`.
 
 Methods: "dynamic" (transformers' `DynamicCache`, full precision), a kvarn preset name (`kvarn.preset_names()`,
 `KVarNCache` as a user builds it) or transformers' `QuantizedCache` anchors "quanto-2bit" / "hqq-2bit" (as
@@ -27,9 +29,10 @@ import torch
 
 from kvarn.eval.forward import reference_cache
 from kvarn.integrations.serving import forward_logprobs, greedy, prefill
+from kvarn.integrations.transformers import cache_kwarg
 
-Protocol = Literal["serving", "generate"]
-PROTOCOLS: tuple[Protocol, ...] = ("serving", "generate")
+Protocol = Literal["serving", "generate", "vllm"]
+PROTOCOLS: tuple[Protocol, ...] = ("serving", "generate", "vllm")  # vllm: `vllm_protocol`, run by the runner
 FULL_PRECISION = "dynamic"
 ANCHORS = {"quanto-2bit": ("quanto", "optimum.quanto"), "hqq-2bit": ("hqq", "hqq")}  # backend, module it needs
 
@@ -139,8 +142,8 @@ def run_sample(model, tok, ids: torch.Tensor, gold: torch.Tensor | None, method:
                chunk: int, new_tokens: int, eos: set[int], stop: tuple[str, ...] = (),
                sink: int | None = None) -> Output:
     """One sample (prompt ids [1, P], gold answer ids [g] or None) on a fresh cache of `method`."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if protocol not in ("serving", "generate"):
+        raise ValueError(f"run_sample runs the serving and generate protocols, got {protocol!r}")
     t0 = time.perf_counter()
     cache = new_cache(model, method, sink)
     with torch.inference_mode():
@@ -155,9 +158,10 @@ def run_sample(model, tok, ids: torch.Tensor, gold: torch.Tensor | None, method:
                 side = new_cache(model, method, sink)
                 lp = gold_logprob(model, side, prefill(model, ids, side, None), gold, None)
             # greedy as in serving: no repetition penalty from the model's generation config
-            seq = model.generate(ids, cache=cache, do_sample=False, max_new_tokens=new_tokens, repetition_penalty=1.0,
+            seq = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, repetition_penalty=1.0,
                                  eos_token_id=sorted(eos) or None, pad_token_id=tok.pad_token_id,
-                                 stop_strings=list(stop) or None, tokenizer=tok if stop else None)
+                                 stop_strings=list(stop) or None, tokenizer=tok if stop else None,
+                                 **{cache_kwarg(model): cache})
             out = seq[0, ids.shape[1]:].tolist()
     text = tok.decode(out, skip_special_tokens=True)
     return Output(text, len(out), lp, 0 if gold is None else gold.numel(), cache_held(cache),

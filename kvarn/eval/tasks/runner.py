@@ -16,6 +16,7 @@ from kvarn.eval.tasks.base import Sample, encode, encode_gold
 from kvarn.eval.tasks.protocol import run_sample
 from kvarn.eval.tasks.score import score
 from kvarn.eval.tasks.suite import Slot
+from kvarn.eval.tasks.vllm_protocol import VLLM
 
 SAMPLES, RUN = "samples.jsonl", "run.json"
 
@@ -67,7 +68,7 @@ Work = tuple[Iterable[Slot], Sequence[str], Sequence[str]]  # samples, methods, 
 
 
 def run_all(model, tok, cells: Iterable[Work], out: Path, *, chunk: int, gold: bool = True, sink: int | None = None,
-            max_context: int | None = None) -> list[dict]:
+            max_context: int | None = None, model_path: str | None = None) -> list[dict]:
     """Run what is not done yet of every cell (its samples x its methods x its protocols), sample by sample (all
     methods of a sample before the next, so a run cut short stays paired); returns the records of these units (old
     and new), in file order."""
@@ -84,19 +85,22 @@ def run_all(model, tok, cells: Iterable[Work], out: Path, *, chunk: int, gold: b
                         done.add(unit_key(s.key, m, p))
                         todo.append((s, m, p))
     eos = eos_ids(model, tok)
+    engine = [u for u in todo if u[2] == VLLM]
+    todo = [u for u in todo if u[2] != VLLM]
     built: dict[str, tuple[Sample, Any, Any]] = {}
     path = out / SAMPLES
+    if engine:
+        _run_engines(model, tok, engine, path, chunk=chunk, gold=gold, sink=sink, max_context=max_context, eos=eos,
+                     model_path=model_path or model.config._name_or_path)
     with path.open("a", encoding="utf-8") as f, progress(total=len(todo), desc="tasks", unit="run") as bar:
         for slot, method, protocol in todo:
             if slot.key not in built:
                 built.clear()  # one sample at a time (samples come in order)
                 sample = slot.build()
                 ids = encode(tok, sample)
-                if max_context is not None and ids.shape[1] + sample.new_tokens > max_context:
-                    raise ValueError(f"{sample.key}: {ids.shape[1]} prompt tokens + {sample.new_tokens} new ones "
-                                     f"exceed the model's context of {max_context}")
                 built[slot.key] = (sample, ids, encode_gold(tok, sample) if gold else None)
             sample, ids, gold_ids = built[slot.key]
+            check_context(sample, ids, max_context)
             bar.set_postfix_str(f"{sample.key} {method} {protocol}", refresh=False)
             res = run_sample(model, tok, ids, gold_ids, method, protocol, chunk=chunk, new_tokens=sample.new_tokens,
                              eos=eos, stop=sample.stop, sink=sink)
@@ -104,3 +108,43 @@ def run_all(model, tok, cells: Iterable[Work], out: Path, *, chunk: int, gold: b
             f.flush()
             bar.update(1)
     return [r for r in read_records(out) if r["unit"] in wanted]
+
+
+def check_context(sample: Sample, ids, max_context: int | None) -> None:
+    if max_context is not None and ids.shape[1] + sample.new_tokens > max_context:
+        raise ValueError(f"{sample.key}: {ids.shape[1]} prompt tokens + {sample.new_tokens} new ones exceed the "
+                         f"model's context of {max_context}")
+
+
+def _run_engines(model, tok, units: list[tuple[Slot, str, str]], path: Path, *, chunk: int, gold: bool,
+                 sink: int | None, max_context: int | None, eos: set[int], model_path: str) -> None:
+    """The vllm protocol's units (`vllm_protocol`): one engine per method over all of its samples, the records
+    appended when the engine is done (a rerun skips the methods already written)."""
+    from kvarn.eval.tasks.vllm_protocol import engine_kwargs, kv_budget, missing, run_engine
+
+    why = missing()
+    if why:
+        raise RuntimeError(why)
+    samples: dict[str, tuple[Sample, Any, Any]] = {}
+    for slot, _, _ in units:
+        if slot.key not in samples:
+            sample = slot.build()
+            ids = encode(tok, sample)
+            check_context(sample, ids, max_context)
+            samples[slot.key] = (sample, ids, encode_gold(tok, sample) if gold else None)
+    methods = list(dict.fromkeys(m for _, m, _ in units))
+    dtype = str(model.dtype).removeprefix("torch.")
+    for i, method in enumerate(methods):
+        mine = [samples[s.key] for s, m, _ in units if m == method]
+        lengths = [ids.shape[1] + (0 if g is None else g.numel()) + s.new_tokens for s, ids, g in mine]
+        seqs = min(len(mine), 16)
+        llm = engine_kwargs(model_path, method, chunk=chunk, max_len=max(lengths) + 8, seqs=seqs, dtype=dtype,
+                            sink=sink, kv_bytes=kv_budget(model.config, model.dtype.itemsize,
+                                                          sum(sorted(lengths)[-seqs:])))
+        print(f"vllm protocol: engine {i + 1}/{len(methods)} ({method}), {len(mine)} samples ...", flush=True)
+        requests = [{"prompt": ids[0].tolist(), "max_tokens": s.new_tokens, "stop": list(s.stop),
+                     "gold": None if g is None else g.tolist()} for s, ids, g in mine]
+        outs = run_engine(method, llm, requests, sorted(eos))
+        with path.open("a", encoding="utf-8") as f:
+            for (s, ids, _), o in zip(mine, outs, strict=True):
+                f.write(json.dumps(record(s, method, VLLM, ids.shape[1], o)) + "\n")

@@ -39,7 +39,8 @@ def summarize(records: list[dict], seed: int = 0) -> list[dict]:
                "accuracy": correct / n, "wilson": list(wilson(correct, n)),
                "score": sum(r["score"] for r in mine.values()) / n,
                "prompt_tokens": sum(r["prompt_tokens"] for r in mine.values()) / n,
-               "quantized_share": sum(r["quantized_share_keys"] for r in mine.values()) / n,
+               # None under the vllm protocol: the engine's pages are not inspected per sample
+               "quantized_share": _mean([r.get("quantized_share_keys") for r in mine.values()]),
                "bits_per_element": _mean([r.get("bits_per_element") for r in mine.values()]),
                "seconds": sum(r["seconds"] for r in mine.values()) / n}
         lps = [r["gold_logprob_per_token"] for r in mine.values() if r["gold_logprob_per_token"] is not None]
@@ -85,7 +86,8 @@ def summary_markdown(result: dict) -> str:
                      f"{100 * vs['difference']:+.0f} ({vs['only_a']}/{vs['only_b']}, p={vs['mcnemar_p']:.3g})"
                      if vs else "", f"{100 * r['agreement']:.0f}%" if "agreement" in r else "",
                      _ci(r["gold_logprob"]), _ci(r.get("gold_logprob_delta")), f"{r['prompt_tokens']:.0f}",
-                     f"{100 * r['quantized_share']:.0f}%", f"{r['seconds']:.1f}"])
+                     "-" if r["quantized_share"] is None else f"{100 * r['quantized_share']:.0f}%",
+                     f"{r['seconds']:.1f}"])
     head = ["task", "size", "protocol", "method", "correct", "acc % [Wilson 95%]",
             "vs full: diff pts (only method/only full, McNemar p)", "same answer as full", "gold log-prob/token",
             "gold Δ vs full", "prompt tok", "keys in tiles", "s/sample"]

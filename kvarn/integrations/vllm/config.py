@@ -72,6 +72,9 @@ def check_preset(preset: Preset) -> None:
     if not (isinstance(kq, AffineQuantizer) and isinstance(vq, AffineQuantizer)):
         raise ValueError(f"kvarn: preset {preset.name!r} is a baseline; the vLLM backend runs the affine family "
                          "(kvarn, rtn, hadamard, varn)")
+    if kq.config.refine:
+        raise ValueError(f"kvarn: preset {preset.name!r} stores refined key channels (two code widths in a tile), "
+                         "which the vLLM backend's kernels do not read yet; serve kvarn-b2.5-qar or the default")
     if preset.key_high is not None:
         widths = [preset.key_high(64), *([] if preset.key_mid is None else [preset.key_mid(64)])]
         if not all(isinstance(q, AffineQuantizer) and q.tile == kq.tile for q in widths):
