@@ -49,27 +49,18 @@ class Scenario:
 
 def missing() -> str | None:
     """Why this section cannot run here (None: it can)."""
-    import importlib.util
+    from kvarn.integrations.vllm import unavailable
 
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:
-        return (f"vLLM is not importable from {sys.executable}: run `make vllm-venv`, then "
-                "`.venv-vllm/bin/kvarn bench vllm`")
-    return None
-
-
-def _env() -> dict:
-    n = os.cpu_count() or 1
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the budget is kv_cache_memory_bytes, in bytes
-    return env
+    return unavailable("kvarn bench vllm")
 
 
 def _engine(name: str, llm: dict, prompts: list[list[int]], new_tokens: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"kvarn-bench-vllm-{name}-"))
     job, out = tmp / "job.json", tmp / "out.json"
     job.write_text(json.dumps({"llm": llm, "prompts": prompts, "max_tokens": new_tokens}))
-    proc = subprocess.run([sys.executable, "-m", "kvarn.bench.vllm_run", str(job), str(out)], env=_env(),
+    from kvarn.integrations.vllm import cpu_engine_env
+
+    proc = subprocess.run([sys.executable, "-m", "kvarn.bench.vllm_run", str(job), str(out)], env=cpu_engine_env(),
                           capture_output=True, text=True, timeout=RUN_TIMEOUT)
     log = proc.stdout + proc.stderr
     if proc.returncode:

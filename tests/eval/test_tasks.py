@@ -284,3 +284,29 @@ def test_report_runs_tasks_and_replots(tiny_folder, tmp_path):
     md = (out / "report.md").read_text()
     assert "Task accuracy" in md and "tasks/lines.png" in md
     assert main(["eval", "report", "--config", str(cfg), "--out", str(out), "--replot"]) == 0
+
+
+def test_vllm_protocol_refusals(tiny_folder, tmp_path, monkeypatch, capsys):
+    """`--protocols vllm` where vLLM is not importable names `make vllm-venv`; a transformers-only anchor under it is
+    refused by name; both before any model loads (the protocol itself runs in make test-vllm:
+    tests/integrations/vllm/test_eval_protocol.py)."""
+    from kvarn.eval.tasks import vllm_protocol
+
+    base = ["eval", "tasks", "--model", str(tiny_folder), "--tasks", "lines", "--lines", "5", "--samples", "1",
+            "--protocols", "vllm", "--out", str(tmp_path / "t")]
+    monkeypatch.setattr(vllm_protocol, "missing", lambda: "the vllm protocol needs vLLM: run `make vllm-venv`")
+    assert main([*base, "--methods", "dynamic"]) == 2
+    assert "make vllm-venv" in capsys.readouterr().err
+    monkeypatch.setattr(vllm_protocol, "missing", lambda: None)
+    assert main([*base, "--methods", "dynamic,quanto-2bit"]) == 2
+    assert "quanto-2bit" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+    with pytest.raises(ValueError, match="transformers cache"):
+        vllm_protocol.engine_kwargs("m", "hqq-2bit", chunk=128, max_len=64, seqs=1, dtype="float32", sink=None,
+                                    kv_bytes=1 << 26)
+    kw = vllm_protocol.engine_kwargs("m", "kvarn-b2.5-qar", chunk=128, max_len=4200, seqs=16, dtype="bfloat16",
+                                     sink=256, kv_bytes=1 << 30)
+    assert kw["additional_config"] == {"kvarn": {"preset": "kvarn-b2.5-qar", "sink": 256}}
+    assert kw["max_num_batched_tokens"] == 128 and kw["kv_cache_memory_bytes"] == 1 << 30
+    assert "additional_config" not in vllm_protocol.engine_kwargs("m", "dynamic", chunk=128, max_len=64, seqs=1,
+                                                                  dtype="float32", sink=None, kv_bytes=1 << 26)

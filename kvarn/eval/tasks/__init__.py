@@ -59,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--haystack", default="auto", choices=("auto", "essay", "synthetic"),
                         help="RULER's essay haystack (auto: the essays if installed, else synthetic)")
     parser.add_argument("--chunk", type=positive_int, default=128, help="serving prefill chunk (default: 128)")
+    parser.add_argument("--vllm-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="the vllm protocol's engine dtype (default: the dtype the model is loaded in for the "
+                             "other protocols, float32; bfloat16: as vLLM serves the model on CPU, several times "
+                             "faster here)")
+    parser.add_argument("--vllm-engine-per-sample", action="store_true",
+                        help="the vllm protocol with a fresh engine per sample and method (what an engine decides "
+                             "once, e.g. a budget preset's key widths, is then the sample's own)")
     parser.add_argument("--no-gold", action="store_true", help="skip the teacher-forced gold log-probability")
     parser.add_argument("--sink", type=int, default=None, help="override every kvarn preset's full-precision sink")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated data (default: 0)")
@@ -77,7 +84,7 @@ def write_plots(result: dict, out: Path) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvarn.eval.tasks.protocol import PROTOCOLS, check_methods
+    from kvarn.eval.tasks.protocol import ANCHORS, PROTOCOLS, check_methods
     from kvarn.eval.tasks.runner import check_settings, run_all
     from kvarn.eval.tasks.suite import slots
 
@@ -89,6 +96,15 @@ def run(args: argparse.Namespace) -> int:
     bad = [p for p in protocols if p not in PROTOCOLS]
     if bad or not protocols:
         raise ValueError(f"--protocols: expected serving, generate and/or vllm, got {','.join(protocols)!r}")
+    if "vllm" in protocols:  # before loading anything: the engines need vLLM, and serve kvarn presets or stock
+        from kvarn.eval.tasks.vllm_protocol import missing
+
+        why = missing()
+        if why:
+            raise ValueError(why)
+        anchors = [m for m in methods if m in ANCHORS]
+        if anchors:
+            raise ValueError(f"--protocols vllm serves 'dynamic' (stock vLLM) and kvarn presets, not {anchors}")
     if args.sink is not None and args.sink < 0:
         raise ValueError(f"--sink must be >= 0, got {args.sink}")
     haystack, context_tokens = cells[0].plan.haystack, cells[0].plan.context_tokens  # the same in every cell
@@ -104,8 +120,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.out)
     header = result_header(args, COMMAND)  # the code and time the run starts with
-    check_settings(out, {"model": args.model, "seed": args.seed, "chunk": args.chunk, "haystack": haystack,
-                         "context_tokens": context_tokens, "sink": args.sink, "gold": not args.no_gold})
+    settings = {"model": args.model, "seed": args.seed, "chunk": args.chunk, "haystack": haystack,
+                "context_tokens": context_tokens, "sink": args.sink, "gold": not args.no_gold}
+    if args.vllm_dtype:  # recorded only when given: runs made before the options keep their settings
+        settings["vllm_dtype"] = args.vllm_dtype
+    if args.vllm_engine_per_sample:
+        settings["vllm_engine_per_sample"] = True
+    check_settings(out, settings)
     from kvarn.models import load_model
 
     model, tok = load_model(args.model)
@@ -114,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     from kvarn.models import resolve
 
     records = run_all(model, tok, work, out, chunk=args.chunk, gold=not args.no_gold, sink=args.sink,
-                      max_context=ctx, model_path=str(resolve(args.model)))
+                      max_context=ctx, model_path=str(resolve(args.model)), engine_dtype=args.vllm_dtype,
+                      engine_per_sample=args.vllm_engine_per_sample)
     result = {**header, "plan": args.plan, "chunk": args.chunk, "seed": args.seed,
               "haystack": haystack, "methods": methods, "protocols": protocols, "tasks": tasks, "samples": len(records),
               "rows": summarize(records, args.seed)}

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvarn.eval.lines import eos_ids
 from kvarn.eval.progress import progress
 from kvarn.eval.tasks.base import Sample, encode, encode_gold
@@ -68,7 +70,8 @@ Work = tuple[Iterable[Slot], Sequence[str], Sequence[str]]  # samples, methods, 
 
 
 def run_all(model, tok, cells: Iterable[Work], out: Path, *, chunk: int, gold: bool = True, sink: int | None = None,
-            max_context: int | None = None, model_path: str | None = None) -> list[dict]:
+            max_context: int | None = None, model_path: str | None = None,
+            engine_dtype: str | None = None, engine_per_sample: bool = False) -> list[dict]:
     """Run what is not done yet of every cell (its samples x its methods x its protocols), sample by sample (all
     methods of a sample before the next, so a run cut short stays paired); returns the records of these units (old
     and new), in file order."""
@@ -91,7 +94,8 @@ def run_all(model, tok, cells: Iterable[Work], out: Path, *, chunk: int, gold: b
     path = out / SAMPLES
     if engine:
         _run_engines(model, tok, engine, path, chunk=chunk, gold=gold, sink=sink, max_context=max_context, eos=eos,
-                     model_path=model_path or model.config._name_or_path)
+                     model_path=model_path or model.config._name_or_path, dtype=engine_dtype,
+                     per_sample=engine_per_sample)
     with path.open("a", encoding="utf-8") as f, progress(total=len(todo), desc="tasks", unit="run") as bar:
         for slot, method, protocol in todo:
             if slot.key not in built:
@@ -117,9 +121,10 @@ def check_context(sample: Sample, ids, max_context: int | None) -> None:
 
 
 def _run_engines(model, tok, units: list[tuple[Slot, str, str]], path: Path, *, chunk: int, gold: bool,
-                 sink: int | None, max_context: int | None, eos: set[int], model_path: str) -> None:
-    """The vllm protocol's units (`vllm_protocol`): one engine per method over all of its samples, the records
-    appended when the engine is done (a rerun skips the methods already written)."""
+                 sink: int | None, max_context: int | None, eos: set[int], model_path: str,
+                 dtype: str | None, per_sample: bool = False) -> None:
+    """The vllm protocol's units (`vllm_protocol`): one engine per method over all of its samples (per_sample: one
+    per sample and method), the records appended when the engine is done (a rerun skips what is written)."""
     from kvarn.eval.tasks.vllm_protocol import engine_kwargs, kv_budget, missing, run_engine
 
     why = missing()
@@ -133,15 +138,18 @@ def _run_engines(model, tok, units: list[tuple[Slot, str, str]], path: Path, *, 
             check_context(sample, ids, max_context)
             samples[slot.key] = (sample, ids, encode_gold(tok, sample) if gold else None)
     methods = list(dict.fromkeys(m for _, m, _ in units))
-    dtype = str(model.dtype).removeprefix("torch.")
-    for i, method in enumerate(methods):
-        mine = [samples[s.key] for s, m, _ in units if m == method]
+    dtype = dtype or str(model.dtype).removeprefix("torch.")
+    itemsize = getattr(torch, dtype).itemsize
+    groups = [(m, [samples[s.key] for s, mm, _ in units if mm == m]) for m in methods]
+    if per_sample:  # a fresh engine per request: nothing an engine decides once is shared between samples
+        groups = [(m, [one]) for m, mine in groups for one in mine]
+    for i, (method, mine) in enumerate(groups):
         lengths = [ids.shape[1] + (0 if g is None else g.numel()) + s.new_tokens for s, ids, g in mine]
         seqs = min(len(mine), 16)
         llm = engine_kwargs(model_path, method, chunk=chunk, max_len=max(lengths) + 8, seqs=seqs, dtype=dtype,
-                            sink=sink, kv_bytes=kv_budget(model.config, model.dtype.itemsize,
+                            sink=sink, kv_bytes=kv_budget(model.config, itemsize,
                                                           sum(sorted(lengths)[-seqs:])))
-        print(f"vllm protocol: engine {i + 1}/{len(methods)} ({method}), {len(mine)} samples ...", flush=True)
+        print(f"vllm protocol: engine {i + 1}/{len(groups)} ({method}), {len(mine)} samples ...", flush=True)
         requests = [{"prompt": ids[0].tolist(), "max_tokens": s.new_tokens, "stop": list(s.stop),
                      "gold": None if g is None else g.tolist()} for s, ids, g in mine]
         outs = run_engine(method, llm, requests, sorted(eos))

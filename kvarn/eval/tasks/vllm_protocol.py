@@ -13,7 +13,6 @@ a silent stock run.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -29,13 +28,10 @@ TIMEOUT_S = 3 * 3600
 
 def missing() -> str | None:
     """Why the protocol cannot run in this interpreter (None: it can)."""
-    import importlib.util
+    from kvarn.integrations.vllm import unavailable
 
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:
-        return (f"the vllm protocol needs vLLM, which is not importable from {sys.executable}: run `make vllm-venv`, "
-                "then `.venv-vllm/bin/kvarn eval tasks --protocols vllm ...`")
-    return None
+    why = unavailable("kvarn eval tasks --protocols vllm ...")
+    return None if why is None else f"the vllm protocol needs vLLM: {why}"
 
 
 def engine_kwargs(model_path: str, method: str, *, chunk: int, max_len: int, seqs: int, dtype: str,
@@ -67,19 +63,16 @@ def kv_budget(config: Any, dtype_bytes: int, tokens: int) -> int:
     return max(int(per_token * tokens * 1.25), 64 << 20)
 
 
-def _env() -> dict[str, str]:
-    n = os.cpu_count() or 1
-    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}"),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-
-
 def run_engine(method: str, llm: dict[str, Any], requests: list[dict[str, Any]], eos: list[int]
                ) -> list[Output]:
     """One engine process over `requests` ({prompt, max_tokens, stop, gold}); an Output per request, in order."""
     tmp = Path(tempfile.mkdtemp(prefix="kvarn-eval-vllm-"))
     job, out = tmp / "job.json", tmp / "out.json"
     job.write_text(json.dumps({"llm": llm, "requests": requests, "eos": eos}))
-    proc = subprocess.run([sys.executable, "-m", "kvarn.eval.tasks.vllm_worker", str(job), str(out)], env=_env(),
+    from kvarn.integrations.vllm import cpu_engine_env
+
+    proc = subprocess.run([sys.executable, "-m", "kvarn.eval.tasks.vllm_worker", str(job), str(out)],
+                          env=cpu_engine_env(),
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     log = proc.stdout + proc.stderr
     if proc.returncode:

@@ -16,6 +16,30 @@ from __future__ import annotations
 SUPPORTED_VLLM = ("0.32",)  # minor versions whose backend API this plugin was written and tested against
 
 
+def unavailable(command: str) -> str | None:
+    """Why vLLM cannot run from this interpreter (None: it can); `command` names what to run from .venv-vllm."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.find_spec("vllm")  # a folder named vllm on sys.path is a namespace package: no origin
+    if spec is None or spec.origin is None:
+        return f"vLLM is not importable from {sys.executable}: run `make vllm-venv`, then `.venv-vllm/bin/{command}`"
+    return None
+
+
+def cpu_engine_env() -> dict[str, str]:
+    """The environment of a CPU engine process that kvarn starts: vLLM's OpenMP threads on every core (unless
+    VLLM_CPU_OMP_THREADS_BIND says otherwise), none reserved, and no VLLM_CPU_KVCACHE_SPACE (the caller gives the
+    budget in bytes, `kv_cache_memory_bytes`)."""
+    import os
+
+    n = os.cpu_count() or 1
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return env
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
