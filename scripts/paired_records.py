@@ -40,10 +40,13 @@ def main() -> None:
     if not keys:
         raise SystemExit(f"no sample has records of both {args.a!r} and {args.b!r}")
     vs = compare(mine, other, keys)
-    (mean, lo, hi), acc = vs["delta"], vs["paired"]
-    print(f"{args.a} - {args.b} over {len(keys)} samples: gold log-prob/token {mean:+.4f} [{lo:+.4f}, {hi:+.4f}]; "
-          f"correct only {args.a}: {acc['only_a']}, only {args.b}: {acc['only_b']} "
-          f"(McNemar p = {acc['mcnemar_p']:.3g})")
+    acc = vs["paired"]
+    gold = "no gold log-prob (a run with --no-gold)"
+    if vs["delta"] is not None:
+        mean, lo, hi = vs["delta"]
+        gold = f"gold log-prob/token {mean:+.4f} [{lo:+.4f}, {hi:+.4f}]"
+    print(f"{args.a} - {args.b} over {len(keys)} samples: {gold}; correct only {args.a}: {acc['only_a']}, only "
+          f"{args.b}: {acc['only_b']} (McNemar p = {acc['mcnemar_p']:.3g})")
 
 
 if __name__ == "__main__":

@@ -310,3 +310,11 @@ def test_vllm_protocol_refusals(tiny_folder, tmp_path, monkeypatch, capsys):
     assert kw["max_num_batched_tokens"] == 128 and kw["kv_cache_memory_bytes"] == 1 << 30
     assert "additional_config" not in vllm_protocol.engine_kwargs("m", "dynamic", chunk=128, max_len=64, seqs=1,
                                                                   dtype="float32", sink=None, kv_bytes=1 << 26)
+
+
+def test_vllm_engine_groups():
+    from kvarn.eval.tasks.runner import engine_groups
+
+    units = [("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert engine_groups(units, False) == [("a", [1, 2]), ("b", [1, 2])]
+    assert engine_groups(units, True) == [("a", [1]), ("a", [2]), ("b", [1]), ("b", [2])]

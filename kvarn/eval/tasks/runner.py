@@ -120,6 +120,14 @@ def check_context(sample: Sample, ids, max_context: int | None) -> None:
                          f"model's context of {max_context}")
 
 
+def engine_groups(units: list[tuple[str, Any]], per_sample: bool) -> list[tuple[str, list[Any]]]:
+    """(method, item) pairs -> the engines to start, (method, its items) in first-seen order: one per method, or one
+    per item (per_sample: nothing an engine decides once, e.g. a budget preset's key widths, is shared)."""
+    methods = list(dict.fromkeys(m for m, _ in units))
+    groups = [(m, [x for mm, x in units if mm == m]) for m in methods]
+    return [(m, [x]) for m, xs in groups for x in xs] if per_sample else groups
+
+
 def _run_engines(model, tok, units: list[tuple[Slot, str, str]], path: Path, *, chunk: int, gold: bool,
                  sink: int | None, max_context: int | None, eos: set[int], model_path: str,
                  dtype: str | None, per_sample: bool = False) -> None:
@@ -137,12 +145,9 @@ def _run_engines(model, tok, units: list[tuple[Slot, str, str]], path: Path, *, 
             ids = encode(tok, sample)
             check_context(sample, ids, max_context)
             samples[slot.key] = (sample, ids, encode_gold(tok, sample) if gold else None)
-    methods = list(dict.fromkeys(m for _, m, _ in units))
     dtype = dtype or str(model.dtype).removeprefix("torch.")
     itemsize = getattr(torch, dtype).itemsize
-    groups = [(m, [samples[s.key] for s, mm, _ in units if mm == m]) for m in methods]
-    if per_sample:  # a fresh engine per request: nothing an engine decides once is shared between samples
-        groups = [(m, [one]) for m, mine in groups for one in mine]
+    groups = engine_groups([(m, samples[s.key]) for s, m, _ in units], per_sample)
     for i, (method, mine) in enumerate(groups):
         lengths = [ids.shape[1] + (0 if g is None else g.numel()) + s.new_tokens for s, ids, g in mine]
         seqs = min(len(mine), 16)

@@ -10,11 +10,12 @@ as stored; "logit": the tile's query-weighted key error), with the engine's runn
 (`paged.observe_queries`). It holds for the engine's life.
 
 Bytes. vLLM sizes the pages before any request, so the kvarn layers get pages of three classes, in layer order
-(`page_classes`): h* that hold high keys, m* mid ones, the rest low ones, (h*, m*) the split of the budget with the
-most high layers; vLLM's capacity report thus counts the budget's bytes. A decision picks among the splits these
-pages hold (`feasible_splits`: h <= h*, m <= h* - h + m*; a mid layer may take a high page). vLLM binds one page
-tensor to each layer; once decided, the backend binds them anew (`BudgetState._bind`): each layer takes a tensor of
-its class (its own when that fits), and the tensor's fp pool share and value fields move with the layer.
+(`page_classes`): h* that hold high keys, m* mid ones, the rest low ones, (h*, m*) the split of the budget that
+promotes the most layers (`sized_split`); vLLM's capacity report thus counts the budget's bytes. A decision picks
+among the splits these pages hold (`feasible_splits`: h <= h*, m <= h* - h + m*; a mid layer may take a high
+page). vLLM binds one page tensor to each layer; once decided, the backend binds them anew (`BudgetState._bind`):
+each layer takes a tensor of its class (its own when that fits), and the tensor's fp pool share and value fields
+move with the layer.
 
 Before the decision:
   * values are stored as they complete (their fields lead every layout, `TileLayout`), keys are not: sink blocks'
@@ -64,8 +65,11 @@ def splits_of(preset: Preset, n: int, head_dim: int) -> tuple[tuple[int, int], .
 
 
 def sized_split(preset: Preset, n: int, head_dim: int) -> tuple[int, int]:
-    """(h*, m*): the split the pages are sized for, the one with the most high layers (then the most mid ones)."""
-    return max(splits_of(preset, n, head_dim))
+    """(h*, m*): the split the pages are sized for, the one that promotes the most layers (then the most high ones):
+    the split the transformers cache chose on every request of the task runs recorded on Qwen2.5-Coder (docs/tasks:
+    (0, 8) at 2.5 bits, (8, 16) at 3.0, 24 layers), which pages sized for the most high layers ((4, 0), (16, 0))
+    cannot hold (docs/TASKS.md, "... task accuracy through vLLM")."""
+    return max(splits_of(preset, n, head_dim), key=lambda s: (s[0] + s[1], s[0]))
 
 
 def page_classes(preset: Preset, n: int, head_dim: int) -> list[str]:

@@ -155,7 +155,9 @@ def test_budget_allocation_scores_binds_and_matches_oracle(kernel: str, monkeypa
     real = paged.kernel.decode_attention
     monkeypatch.setattr(paged.kernel, "decode_attention", lambda q, kf, *a, **k: calls.append(
         kf.bits) or real(q, kf, *a, **k))
-    eng = BudgetEngine()
+    # pages of all three classes (as sized for the most high layers), so the decision can use every key width; the
+    # sizing vLLM gets (`budget.sized_split`: the most promoted layers, (1, 3) here) is test_page_classes_...'s
+    eng = BudgetEngine(classes=["high", "high", "mid", "low"])
     gen = torch.Generator().manual_seed(0)
     eng.add("a")
     eng.add("b")
@@ -240,6 +242,15 @@ def test_pool_full_before_any_scoring_request_decides_unscored() -> None:
 def test_page_classes_and_feasible_splits() -> None:
     p = get_preset("kvarn-b2.5")
     assert budget.page_classes(p, 30, 64).count("high") == budget.sized_split(p, 30, 64)[0]
+    # sized for the split that promotes the most layers: what the transformers cache chose on every recorded request
+    # on Qwen2.5-Coder (24 layers): 8 mid at 2.5 bits, 8 high + 16 mid at 3.0 (docs/tasks/*.samples.jsonl, key_bits)
+    assert budget.sized_split(p, 24, 64) == (0, 8)
+    assert budget.sized_split(get_preset("kvarn-b3.0-qar"), 24, 64) == (8, 16)
+    for name in ("kvarn-b2.5-qar", "kvarn-b3.0"):
+        q = get_preset(name)
+        splits = budget.splits_of(q, 24, 64)
+        h, m = budget.sized_split(q, 24, 64)
+        assert all(a + b <= h + m for a, b in splits) and (h, m) in budget.feasible_splits(splits, h, m)
     assert budget.feasible_splits([(0, 0), (1, 0), (0, 2), (0, 3), (2, 0)], 1, 1) == [(0, 0), (1, 0), (0, 2)]
     lay = budget.layouts(p, 64, torch.bfloat16)
     assert lay["low"].c0 < lay["mid"].c0 < lay["high"].c0
