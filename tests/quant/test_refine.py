@@ -68,7 +68,7 @@ def test_refinement_lowers_the_error() -> None:
     for share in (0.0, 0.25, 0.5):
         q = AffineQuantizer(cfg("none", refine=share))
         errors.append(float((q.decode(q.encode(x)) - x).square().sum()))
-    assert errors[0] > 1.5 * errors[1] > 1.5 * 1.2 * errors[2]
+    assert errors[0] > 1.5 * errors[1] and errors[1] > 1.2 * errors[2]  # more refined channels, less error
 
 
 @pytest.mark.parametrize("rows", [3, 8])

@@ -66,16 +66,16 @@ def kv_budget(config: Any, dtype_bytes: int, tokens: int) -> int:
 def run_engine(method: str, llm: dict[str, Any], requests: list[dict[str, Any]], eos: list[int]
                ) -> list[Output]:
     """One engine process over `requests` ({prompt, max_tokens, stop, gold}); an Output per request, in order."""
-    tmp = Path(tempfile.mkdtemp(prefix="kvarn-eval-vllm-"))
-    job, out = tmp / "job.json", tmp / "out.json"
-    job.write_text(json.dumps({"llm": llm, "requests": requests, "eos": eos}))
     from kvarn.integrations.vllm import cpu_engine_env
 
-    proc = subprocess.run([sys.executable, "-m", "kvarn.eval.tasks.vllm_worker", str(job), str(out)],
-                          env=cpu_engine_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    with tempfile.TemporaryDirectory(prefix="kvarn-eval-vllm-") as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job.write_text(json.dumps({"llm": llm, "requests": requests, "eos": eos}))
+        proc = subprocess.run([sys.executable, "-m", "kvarn.eval.tasks.vllm_worker", str(job), str(out)],
+                              env=cpu_engine_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+        answers = json.loads(out.read_text())["answers"] if proc.returncode == 0 else None
     log = proc.stdout + proc.stderr
-    if proc.returncode:
+    if answers is None:
         raise RuntimeError(f"vllm protocol: the engine of {method} failed (exit {proc.returncode}):\n{log[-4000:]}")
     active = "kvarn: preset" in log  # the plugin's page report
     if (method != FULL_PRECISION) != active:
@@ -83,6 +83,5 @@ def run_engine(method: str, llm: dict[str, Any], requests: list[dict[str, Any]],
                            f"plugin:\n{log[-2000:]}")
     m = re.search(r"KV cache size: ([\d,]+) tokens", log)
     held = {"engine": "vllm", "kv_tokens": int(m.group(1).replace(",", "")) if m else None}
-    answers = json.loads(out.read_text())["answers"]
     return [Output(a["text"], len(a["tokens"]), a["gold_logprob"], len(r["gold"] or ()), held, a["seconds"])
             for a, r in zip(answers, requests, strict=True)]

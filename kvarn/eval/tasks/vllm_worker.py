@@ -4,8 +4,8 @@
     python -m kvarn.eval.tasks.vllm_worker JOB.json OUT.json
 JOB: {"llm": LLM kwargs, "requests": [{"prompt": [ids], "max_tokens": n, "stop": [str], "gold": [ids] | null}],
       "eos": [ids]}
-OUT: {"answers": [{"tokens": [ids], "text": str, "gold_logprob": float | null, "seconds": float}], "start_s": float,
-      "kvarn_active": bool}
+OUT: {"answers": [{"tokens": [ids], "text": str, "gold_logprob": float | null, "seconds": float}], "start_s": float}
+(whether the plugin served the engine is read from its log by `vllm_protocol.run_engine`)
 Every request is submitted at once (vLLM batches them and feeds prompts in chunks of max_num_batched_tokens),
 greedy, ending at an EOS id or a stop string (kept in the answer, as the serving protocol keeps it). The gold
 answer's log-probability is vLLM's own prompt_logprobs over prompt + gold (one more request each, teacher-forced
