@@ -26,6 +26,8 @@ from kvarn.cli import main
 from kvarn.presets.family import BUDGETS, affine_preset, budget_preset, channel_budget_preset
 from kvarn.presets.registry import register_preset
 
+CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6)
+
 
 def register_variants() -> None:
     """Register the variants named in the module docstring."""
@@ -51,6 +53,17 @@ def register_variants() -> None:
     for b in BUDGETS:  # refined key channels within the budget: a share of each key tile's channels at 4 bits
         register_preset(f"kvarn-c{b}", lambda b=b: channel_budget_preset(b))
         register_preset(f"kvarn-c{b}-qar", lambda b=b: channel_budget_preset(b, rounding="query-aware"))
+    # clipped ranges (`AffineConfig.clip`): each row's grid spans a share of its range, zero bytes, same fields
+    for kc in CLIPS:
+        for vc in CLIPS:
+            for rounding, suffix in (("nearest", ""), ("query-aware", "-qar")):
+                name = f"kvarn-auto-k2v2-g128{suffix}-kc{kc:g}-vc{vc:g}"
+                register_preset(name, lambda kc=kc, vc=vc, rounding=rounding, name=name: affine_preset(
+                    "kvarn-auto", 2, 2, 128, name=name, rounding=rounding, clip=(kc, vc)))
+        for b in BUDGETS:
+            name = f"kvarn-b{b}-qar-kc{kc:g}-vc{kc:g}"
+            register_preset(name, lambda b=b, kc=kc, name=name: budget_preset(
+                b, pick="best", name=name, rounding="query-aware", clip=(kc, kc)))
     # keys stored before RoPE (a lever of issue 20: Qwen2's k_proj bias is a per-channel constant there, which the
     # per-channel zero points absorb; after RoPE it is a per-position sinusoid); reads decode and redo RoPE
     register_preset("kvarn-auto-k2v2-g128-prerope", lambda: affine_preset(

@@ -2,6 +2,7 @@
 channels"): each layer's post-RoPE keys (tiles past a 128-token sink) encoded by a preset's key quantizer, with the
 weight a cache would give it from E[q q^T] of the whole prompt's queries; values and every other layer exact; the
 error |o(K^) - o(K)|^2 / |o(K)|^2 over the last 64 queries, summed over layers. Not the task: see what it misses there.
+--part values: the values quantized instead (the preset's value quantizer, keys exact).
 
     python scripts/key_output_error.py --model qwen2.5-coder-0.5b --seed 0 --index 0 \
         kvarn-auto-k2v2-g128-qar kvarn-c2.5-qar kvarn-auto-k4v2-g128
@@ -46,6 +47,8 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--index", type=int, default=0)
+    ap.add_argument("--part", choices=("keys", "values"), default="keys",
+                    help="quantize the keys (the weight from the queries) or the values (keys exact)")
     args = ap.parse_args()
     if register_variants is not None:
         register_variants()
@@ -72,17 +75,22 @@ def main() -> None:
         qg = q.reshape(h, group * t, d)
         sigma = qg.transpose(1, 2) @ qg / qg.shape[1]  # [H, D, D]
         n = (t - SINK) // 128
-        tiles = k[:, SINK:SINK + n * 128].reshape(h * n, 128, d)
+        keys = args.part == "keys"
+        x = k if keys else v
+        tiles = x[:, SINK:SINK + n * 128].reshape(h * n, 128, d)
         exact = attend(q, k, v, group)
         for p in args.presets:
-            kq = get_preset(p).quantizers(d)[0]
+            xq = get_preset(p).quantizers(d)[0 if keys else 1]
             big = sigma.repeat_interleave(n, 0)
-            weight = big if getattr(kq, "takes_covariance", False) else big.diagonal(dim1=-2, dim2=-1)
-            kh = k.clone()
-            kh[:, SINK:SINK + n * 128] = kq.decode(kq.encode(tiles, weight)).reshape(h, n * 128, d)
-            total[p] += float((attend(q, kh, v, group) - exact).square().sum() / exact.square().sum())
+            weight = (None if not keys else big if getattr(xq, "takes_covariance", False)
+                      else big.diagonal(dim1=-2, dim2=-1))
+            xh = x.clone()
+            xh[:, SINK:SINK + n * 128] = xq.decode(xq.encode(tiles, weight)).reshape(h, n * 128, d)
+            out = attend(q, xh, v, group) if keys else attend(q, k, xh, group)
+            total[p] += float((out - exact).square().sum() / exact.square().sum())
     print(json.dumps({"model": args.model, "task": args.task, "length": args.length, "seed": args.seed,
-                      "index": args.index, "tokens": int(ids.shape[1]), "output_error_summed": total}, indent=1))
+                      "index": args.index, "part": args.part, "tokens": int(ids.shape[1]),
+                      "output_error_summed": total}, indent=1))
 
 
 if __name__ == "__main__":

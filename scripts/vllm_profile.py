@@ -3,19 +3,22 @@ worker run in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0), so the profile covers 
 kernels. Needs vLLM (`make vllm-venv`).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python scripts/vllm_profile.py PRESET|stock [NEW_TOKENS] [--out FILE]
+        [--requests 8] [--prompt-tokens 512] [--kv-mib 1024] [--max-num-seqs R]
 
-8 requests of 512 prompt tokens of `pydoc_data.topics` prose (each from its own offset) + NEW_TOKENS (default 64)
-greedy tokens, SmolLM2-135M-Instruct, bfloat16, a 1 GiB KV budget, max_num_seqs 8, enforce_eager; one short warm-up
-request first. Prints the wall time and tokens/s, then cProfile's top lines by cumulative and by own time;
---out FILE keeps the raw stats (`pstats`). Used for docs/VLLM.md ("Throughput").
+R requests (default 8) of P prompt tokens (default 512) of `pydoc_data.topics` prose (each from its own offset) +
+NEW_TOKENS (default 64) greedy tokens, SmolLM2-135M-Instruct, bfloat16, a KV budget of --kv-mib (default 1 GiB),
+max_num_seqs R (or --max-num-seqs: a smaller budget and more requests than fit is the memory-bound run of
+`kvarn bench vllm`), enforce_eager; one short warm-up request first. Prints the wall time and tokens/s, then
+cProfile's top lines by cumulative and by own time; --out FILE keeps the raw stats (`pstats`). Used for docs/VLLM.md
+("Throughput").
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import os
 import pstats
-import sys
 import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -31,15 +34,22 @@ def main() -> None:
     from kvarn.integrations.vllm import register
     from kvarn.models import resolve
 
-    args = [a for i, a in enumerate(sys.argv[1:]) if sys.argv[i] != "--out" and a != "--out"]
-    preset, new = args[0], int(args[1]) if len(args) > 1 else 64
-    out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
+    ap = argparse.ArgumentParser()
+    ap.add_argument("preset")
+    ap.add_argument("new", nargs="?", type=int, default=64)
+    ap.add_argument("--out")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--kv-mib", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int)
+    a = ap.parse_args()
+    preset, new, out, n, plen = a.preset, a.new, a.out, a.requests, a.prompt_tokens
     register()
     path = str(resolve("smollm2"))
     ids = AutoTokenizer.from_pretrained(path)(" ".join(pydoc_data.topics.topics.values()))["input_ids"]
-    prompts = [ids[1000 * r:1000 * r + 512] for r in range(8)]
-    kw = dict(model=path, dtype="bfloat16", max_model_len=512 + new + 16, max_num_seqs=8, enforce_eager=True, seed=0,
-              kv_cache_memory_bytes=1 << 30)
+    prompts = [ids[1000 * r:1000 * r + plen] for r in range(n)]
+    kw = dict(model=path, dtype="bfloat16", max_model_len=plen + new + 16, max_num_seqs=a.max_num_seqs or n,
+              enforce_eager=True, seed=0, kv_cache_memory_bytes=a.kv_mib << 20)
     if preset != "stock":
         kw["additional_config"] = {"kvarn": {"preset": preset}}
     llm = LLM(**kw)
@@ -50,7 +60,7 @@ def main() -> None:
     t0 = time.perf_counter()
     prof.runcall(llm.generate, [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    print(f"{preset}: {torch.get_num_threads()} threads, wall {wall:.2f} s, {8 * new / wall:.1f} generated tokens/s")
+    print(f"{preset}: {torch.get_num_threads()} threads, wall {wall:.2f} s, {n * new / wall:.1f} generated tokens/s")
     if out:
         prof.dump_stats(out)
     stats = pstats.Stats(prof)

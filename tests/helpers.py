@@ -237,7 +237,7 @@ def check_against_reference(q: AffineQuantizer, x: torch.Tensor) -> None:
     tie_eps = 1e-3
     for i in range(len(x)):
         ref: TileRef = quantize_tile_ref(x[i].double(), c.bits, c.axis, c.rotate == "hadamard", c.varn, c.varn_iters,
-                                         q.refine_count(x.shape[2]))
+                                         q.refine_count(x.shape[2]), clip=c.clip)
         codes = stored_codes(packed, i, c.bits)
         if packed.refine_rows is not None:
             assert packed.refine_rows[i].tolist() == ref.refined, "refined rows differ from the oracle's"

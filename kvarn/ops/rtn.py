@@ -3,6 +3,11 @@
     lo = min(row), hi = max(row), delta = max((hi - lo) / (2^b - 1), 1e-10)
     q  = clamp(round((x - lo) / delta), 0, 2^b - 1)      round half to even (torch.round)
     x^ = q * delta + lo
+
+Clipped (clip = c < 1): the range shrinks about its midpoint, lo = m - c (hi - lo) / 2 and hi = m + c (hi - lo) / 2
+with m = (lo + hi) / 2, and the values outside it take the end codes (the clamp). Without clipping a 2-bit grid
+spends its levels on a row's two extremes: on Gaussian-like rows (what a Hadamard rotation makes) of 128 values the
+min-max step is ~1.7 sigma, the MSE-best uniform step ~1.0 sigma (half the squared error).
 """
 
 from __future__ import annotations
@@ -22,11 +27,26 @@ def check_bits(bits: int) -> int:
     return bits
 
 
-def rtn_quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes (uint8, same shape as x), delta [..., 1] and lo [..., 1], all computed in x's dtype."""
-    levels = (1 << check_bits(bits)) - 1
+def check_clip(clip: float) -> float:
+    if not 0.0 < clip <= 1.0:
+        raise ValueError(f"clip is the share of a row's range kept, in (0, 1]; got {clip!r}")
+    return clip
+
+
+def row_range(x: torch.Tensor, clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) [..., 1] of each row: min and max, shrunk about their midpoint to `clip` of the range."""
     lo = x.amin(dim=-1, keepdim=True)
     hi = x.amax(dim=-1, keepdim=True)
+    if check_clip(clip) == 1.0:
+        return lo, hi
+    mid, half = (lo + hi) * 0.5, (hi - lo) * (0.5 * clip)
+    return mid - half, mid + half
+
+
+def rtn_quantize(x: torch.Tensor, bits: int, clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (uint8, same shape as x), delta [..., 1] and lo [..., 1], all computed in x's dtype."""
+    levels = (1 << check_bits(bits)) - 1
+    lo, hi = row_range(x, clip)
     # divided by a tensor, not a Python number: PyTorch's CUDA division by a scalar multiplies by its reciprocal (1 ulp
     # off, so the H200 run found 1.5e-4 of codes one step from the store kernel's); the CPU divides either way
     delta = ((hi - lo) / torch.full_like(hi, levels)).clamp_min(RANGE_GUARD)
@@ -38,12 +58,11 @@ def rtn_dequantize(q: torch.Tensor, delta: torch.Tensor, lo: torch.Tensor) -> to
     return q.to(delta.dtype) * delta + lo
 
 
-def rtn_targets(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rtn_targets(x: torch.Tensor, bits: int, clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The unrounded codes u = (x - lo) / delta, delta [..., 1] and lo [..., 1] of `rtn_quantize`, computed by the
     same operations: clamp(round(u), 0, 2^b - 1) is its codes bit for bit."""
     levels = (1 << check_bits(bits)) - 1
-    lo = x.amin(dim=-1, keepdim=True)
-    hi = x.amax(dim=-1, keepdim=True)
+    lo, hi = row_range(x, clip)
     delta = ((hi - lo) / torch.full_like(hi, levels)).clamp_min(RANGE_GUARD)
     return (x - lo) / delta, delta, lo
 

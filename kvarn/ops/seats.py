@@ -7,10 +7,11 @@ kernels for CPU). Which path a call takes is `kvarn.ops.dispatch` (KVARN_KERNEL)
 kernel serves the call; `supported(seat, device)` gives the registered kernel's reason why not (None: it serves it).
 
     kvarn::tile_store(x [N, G, D], weight [N, D]?, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype,
-                      relative, coef [N, B, D, D]?) -> (codes, row_scale, row_zero, col_scale | [0], rotated | [0],
-                      input_finite [N], fields_finite [N])
+                      relative, coef [N, B, D, D]?, clip) -> (codes, row_scale, row_zero, col_scale | [0],
+                      rotated | [0], input_finite [N], fields_finite [N])
         AffineQuantizer tiles (kvarn.quant.affine; codes `kvarn.ops.codes`; coef: query-aware rounding of keys,
-        `kvarn.ops.rtn`); default: the quantizer's reference, registered by kvarn.quant.affine.
+        `kvarn.ops.rtn`; clip: `AffineConfig.clip`); default: the quantizer's reference, registered by
+        kvarn.quant.affine.
     kvarn::query_aware_coefficients(sigma [N, D, D], rotate, damp) -> coef [N, B, D, D]
         query-aware rounding's coefficients of each basis (`kvarn.ops.rtn.query_aware_bases`, the default); the C++
         kernel agrees to float64 rounding (its factorisation sums in another order), not bit for bit.
@@ -33,8 +34,8 @@ from kvarn.ops.packing import packed_size
 from kvarn.ops.rtn import query_aware_bases
 
 STORE_SCHEMA = ("(Tensor x, Tensor? weight, int bits, bool channel, int rotate, bool varn, int varn_iters, "
-                "int scale_dtype, int col_dtype, bool relative, Tensor? coef=None) -> (Tensor, Tensor, Tensor, Tensor, "
-                "Tensor, Tensor, Tensor)")
+                "int scale_dtype, int col_dtype, bool relative, Tensor? coef=None, float clip=1.0) -> (Tensor, Tensor, "
+                "Tensor, Tensor, Tensor, Tensor, Tensor)")
 DECODE_SCHEMA = ("(Tensor q, Tensor qh, Tensor hadamard, float scale, Tensor[] key_fields, int[] key_strides, "
                  "int key_bits, int key_rotate, Tensor[] value_fields, int[] value_strides, int value_bits, "
                  "int value_rotate, Tensor block_table, Tensor n_blocks, int tile, Tensor exact_map, Tensor exact_k, "
@@ -61,7 +62,8 @@ def supported(seat: str, device: torch.device, *args) -> str | None:
 
 
 @torch.library.register_fake("kvarn::tile_store")
-def _store_fake(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative, coef=None):
+def _store_fake(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative, coef=None,
+                clip=1.0):
     n, g, d = x.shape
     r, c = (d, g) if channel else (g, d)
     sd = CODE_DTYPES[scale_dtype]

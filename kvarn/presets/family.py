@@ -47,9 +47,11 @@ ROUNDING_SUFFIX = {"nearest": "", "query-aware": "-qar"}  # key rounding -> the 
 
 
 def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | None = None,
-                  scale_dtype: torch.dtype = torch.float16, rounding: str = "nearest", refine: float = 0.0) -> Preset:
+                  scale_dtype: torch.dtype = torch.float16, rounding: str = "nearest", refine: float = 0.0,
+                  clip: tuple[float, float] = (1.0, 1.0)) -> Preset:
     """`{family}-k{k_bits}v{v_bits}-g{tile}`; rounding "query-aware": keys by `QueryAwareQuantizer` (name + "-qar");
-    refine: the share of each key tile's channels at k_bits + 2 (`AffineConfig.refine`)."""
+    refine: the share of each key tile's channels at k_bits + 2 (`AffineConfig.refine`); clip: the share of each
+    row's range the key and the value grids span (`AffineConfig.clip`)."""
     if rounding not in ROUNDING_SUFFIX:
         raise ValueError(f"rounding must be one of {tuple(ROUNDING_SUFFIX)}, got {rounding!r}")
     rk, rv, use_varn, desc = FAMILIES[family]
@@ -58,11 +60,11 @@ def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | 
 
     def key(_: int) -> TileQuantizer:
         return key_cls(AffineConfig(k_bits, "channel", rk, use_varn, tile=tile, scale_dtype=scale_dtype,
-                                    col_scale_dtype=col, refine=refine))
+                                    col_scale_dtype=col, refine=refine, clip=clip[0]))
 
     def value(_: int) -> TileQuantizer:
         return AffineQuantizer(AffineConfig(v_bits, "token", rv, use_varn, tile=tile, scale_dtype=scale_dtype,
-                                            col_scale_dtype=col))
+                                            col_scale_dtype=col, clip=clip[1]))
 
     params = {"tile": tile, "scale_dtype": str(scale_dtype).removeprefix("torch.")}
     if scale_dtype != torch.float16:
@@ -70,6 +72,9 @@ def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | 
     if rounding != "nearest":
         params["rounding"] = rounding
         desc += "; keys rounded query-aware (e^T Sigma_q e with the running E[q q^T])"
+    if clip != (1.0, 1.0):
+        params["clip"] = list(clip)
+        desc += f"; rows' grids span {clip[0]:g} (keys) / {clip[1]:g} (values) of their range"
     if refine:
         params["refine"] = refine
         desc += (f"; {refine:.1%} of each key tile's channels at {k_bits + REFINE_BITS} bits (those the queries weigh "
@@ -79,27 +84,33 @@ def affine_preset(family: str, k_bits: int, v_bits: int, tile: int, name: str | 
                   policy=CachePolicy(tile=tile), family=family, k_bits=k_bits, v_bits=v_bits, params=params)
 
 
+# The share of each row's range a clipped 2-bit grid spans (`AffineConfig.clip`): fixed before any task run, from the
+# attention-output error of one prompt's keys and values (scripts/key_output_error.py: 0.8 best of 1.0-0.6 for
+# query-aware keys and for values; the MSE-best share of Gaussian rows, 0.6, clips the tails these rows have).
+CLIP_2BIT = 0.8
 BUDGETS = (2.5, 3.0)
 BUDGET_HEAD_DIM = 128  # budgets are named at head_dim 128; smaller heads pay more for their scales
 
 
 def budget_preset(bits: float, tile: int = 128, rule: str = "output", name: str | None = None,
                   high: int = 4, mid: int | None = 3, pick: str = "rank",
-                  scale_dtype: torch.dtype = torch.float16, rounding: str = "nearest") -> Preset:
+                  scale_dtype: torch.dtype = torch.float16, rounding: str = "nearest",
+                  clip: tuple[float, float] = (1.0, 1.0)) -> Preset:
     """`kvarn-b{bits}`: kvarn-auto k2v2 with the keys of a share of the layers at `high` (3 or 4) bits, the share the
     largest that keeps (k_low + share (k_high - k_low) + v) / 2 <= bits at head_dim 128 (stored bytes, scales
     included); what rounding that share down to whole layers leaves buys layers at `mid` bits (None: unspent).
     pick "best": the same key bits split between `high` and `mid` layers per request by the layers' gains at both
     widths (`kvarn.cache.allocation.best_split`) instead of `high` first. scale_dtype: the row scales' dtype
     (float8_e4m3fn: the bits the scales save buy more promoted layers). rounding "query-aware": every key width
-    rounds query-aware (name + "-qar"; the layers' trial encodes that score the promotion round to nearest)."""
+    rounds query-aware (name + "-qar"; the layers' trial encodes that score the promotion round to nearest). clip: the
+    2-bit key and value grids' share of each row's range (`AffineConfig.clip`; promoted keys keep the full range)."""
     if high not in (3, 4) or (mid is not None and not 2 < mid < high):
         raise ValueError(f"budget presets promote keys to 3 or 4 bits, spending the rest on fewer bits; got high "
                          f"{high}, mid {mid}")
     if pick not in ("rank", "best") or (pick == "best" and mid is None):
         raise ValueError(f"pick must be 'rank' or 'best' (which needs a mid width), got {pick!r} with mid {mid}")
-    low, top = (affine_preset("kvarn-auto", kb, 2, tile, scale_dtype=scale_dtype, rounding=rounding)
-                for kb in (2, high))
+    low, top = (affine_preset("kvarn-auto", kb, 2, tile, scale_dtype=scale_dtype, rounding=rounding,
+                              clip=clip if kb == 2 else (1.0, 1.0)) for kb in (2, high))
     d = BUDGET_HEAD_DIM
     k_lo, v = (q.bits_per_element(d) for q in low.quantizers(d))
     k_hi = top.quantizers(d)[0].bits_per_element(d)
@@ -166,6 +177,10 @@ def _entries() -> tuple[Entry, ...]:
         for g in TILES:
             out.append((f"kvarn-auto-k{kb}v{vb}-g{g}-qar",
                         lambda kb=kb, vb=vb, g=g: affine_preset("kvarn-auto", kb, vb, g, rounding="query-aware"), ()))
+    for g in TILES:  # ... and 2-bit grids over CLIP_2BIT of each row's range (issue 20; docs/TASKS.md, "Clipped grids")
+        name = f"kvarn-auto-k2v2-g{g}-qar-clip"
+        out.append((name, lambda g=g, n=name: affine_preset("kvarn-auto", 2, 2, g, n, rounding="query-aware",
+                                                          clip=(CLIP_2BIT, CLIP_2BIT)), ()))
     for b in BUDGETS:
         out.append((f"kvarn-b{b}", lambda b=b: budget_preset(b, pick="best"), ()))
         out.append((f"kvarn-b{b}-qar", lambda b=b: budget_preset(b, pick="best", rounding="query-aware"), ()))

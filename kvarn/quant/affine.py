@@ -34,7 +34,7 @@ from kvarn.ops.codes import CODE_DTYPES, DTYPE_CODES, Rotation
 from kvarn.ops.dispatch import use_kernel
 from kvarn.ops.hadamard import hadamard_dense, hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
-from kvarn.ops.rtn import check_bits, query_aware_bases, query_aware_round, rtn_quantize, rtn_targets
+from kvarn.ops.rtn import check_bits, check_clip, query_aware_bases, query_aware_round, rtn_quantize, rtn_targets
 from kvarn.ops.seats import supported
 from kvarn.ops.varn import DEFAULT_ITERS, varn
 from kvarn.quant.base import TileQuantizer, check_tiles
@@ -144,6 +144,7 @@ class AffineConfig:
     scale_dtype: torch.dtype = torch.float16
     col_scale_dtype: torch.dtype | None = None  # VarN column scales; None: scale_dtype (see relative_col_scales)
     refine: float = 0.0  # keys: the share of a tile's channels at bits + 2 (floor(refine * D) rows; module docstring)
+    clip: float = 1.0  # the share of each row's range its grid spans (`kvarn.ops.rtn`); encode only, same fields
 
 
 class AffineQuantizer(TileQuantizer):
@@ -162,12 +163,14 @@ class AffineQuantizer(TileQuantizer):
                              f"{config.refine!r} on axis {config.axis!r}")
         if config.refine:
             check_bits(config.bits + REFINE_BITS)  # the refined rows' width must be one the packing supports
+        check_clip(config.clip)
         self.config = config
         self.tile = config.tile
         self.policy = get_policy(policy)  # rotate="auto" only: kvarn.quant.policy
         parts = ["rot" if config.rotate == "hadamard" else config.rotate if config.rotate == "auto" else "",
                  "varn" if config.varn else "", f"rtn{config.bits}",
-                 f"r{config.refine:g}" if config.refine else "", config.axis]
+                 f"r{config.refine:g}" if config.refine else "", f"clip{config.clip:g}" if config.clip < 1 else "",
+                 config.axis]
         self.name = "-".join(p for p in parts if p)
         self._formats: dict[int, AffineFormat] = {}
 
@@ -240,15 +243,15 @@ class AffineQuantizer(TileQuantizer):
         """RTN's unrounded codes u [N, R, C], delta and lo [N, R, 1] of the balanced rows b, the largest code per
         row levels [N, R, 1], and the refined rows [N, k] (None without): those rows on the grid of bits +
         REFINE_BITS (module docstring)."""
-        bits = self.config.bits
-        u, delta, lo = rtn_targets(b, bits)
+        bits, clip = self.config.bits, self.config.clip
+        u, delta, lo = rtn_targets(b, bits, clip)
         levels = torch.full_like(delta, (1 << bits) - 1)
         if not fmt.refine:
             return u, delta, lo, levels, None
         step = delta.squeeze(-1) if s_row is None else delta.squeeze(-1) * s_row
         rows = refined_rows(step, weight, fmt.refine)  # [N, k]
         idx = rows.unsqueeze(-1)
-        u_f, delta_f, _ = rtn_targets(b.gather(1, idx.expand(-1, -1, b.shape[-1])), bits + REFINE_BITS)
+        u_f, delta_f, _ = rtn_targets(b.gather(1, idx.expand(-1, -1, b.shape[-1])), bits + REFINE_BITS, clip)
         u = u.scatter(1, idx.expand_as(u_f), u_f)
         delta = delta.scatter(1, idx, delta_f)
         levels = levels.scatter(1, idx, torch.full_like(delta_f, (1 << bits + REFINE_BITS) - 1))
@@ -258,7 +261,7 @@ class AffineQuantizer(TileQuantizer):
         """Rows x [N, R, C] encoded; weight [N, R]: the query energy of refined-row selection (None: 1)."""
         b, s_col, s_row = self._normalized(x)
         if not fmt.refine:
-            q, delta, lo = rtn_quantize(b, self.config.bits)
+            q, delta, lo = rtn_quantize(b, self.config.bits, self.config.clip)
             return self._tiles(q, *self._row_steps(delta, lo, s_row), s_col, fmt)
         u, delta, lo, levels, rows = self._targets(b, s_row, fmt, weight)
         q = torch.minimum(torch.round(u).clamp_(min=0), levels).to(torch.uint8)
@@ -305,7 +308,7 @@ class AffineQuantizer(TileQuantizer):
         w = weight if c.rotate == "auto" and kernel_weighted(self.policy) else None
         codes, a, z, t, rot, finite_in, finite_out = STORE_SEAT(
             x, w, c.bits, c.axis == "channel", fmt.rotation, c.varn, c.varn_iters,
-            DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(fmt.col_dtype, 0), self._relative, coef)
+            DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(fmt.col_dtype, 0), self._relative, coef, c.clip)
         return AffineTiles(codes, a, z, t if c.varn else None, rot if c.rotate == "auto" else None,
                            fmt=fmt), finite_in, finite_out
 
@@ -459,13 +462,13 @@ class QueryAwareQuantizer(AffineQuantizer):
 
 def tile_store_reference(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel: bool, rotate: int,
                          varn: bool, varn_iters: int, scale_dtype: int, col_dtype: int, relative: bool,
-                         coef: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                         coef: torch.Tensor | None = None, clip: float = 1.0) -> tuple[torch.Tensor, ...]:
     """The default of the tile store seat: `encode_reference` of the quantizer these parameters describe (policy
     query with a weight, mse without), non-finite tiles encoded as zeros (`TileQuantizer.encode_tiles`); absent
     outputs (no VarN: col_scale; rotate != auto: rotated) are empty tensors of x's dtype, as the kernel's."""
     sd, cd = CODE_DTYPES[scale_dtype], CODE_DTYPES[col_dtype]
     cfg = AffineConfig(bits, "channel" if channel else "token", Rotation(rotate).name.lower(), varn, varn_iters,
-                       x.shape[1], sd, cd if varn and (relative or cd != sd) else None)
+                       x.shape[1], sd, cd if varn and (relative or cd != sd) else None, clip=clip)
     policy = "query" if weight is not None else "mse"
     finite = torch.isfinite(x).flatten(1).all(dim=1)
     x = torch.where(finite.view(-1, 1, 1), x, torch.zeros_like(x))

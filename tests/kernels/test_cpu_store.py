@@ -221,6 +221,22 @@ def test_kernel_against_float64_oracle(family, d, tile, seed):
             check_against_reference(make(family, bits, axis, tile), heavy_tailed(2, tile, d, generator=g).float())
 
 
+@pytest.mark.parametrize("family", ["rtn", "kvarn", "auto"])
+@pytest.mark.parametrize("clip", [0.8, 0.55])
+def test_clipped_ranges(family, clip, seed):
+    """`AffineConfig.clip` (kvarn.ops.rtn.row_range): the kernel's fields as the reference's (the clip's three float32
+    steps in its order) and the float64 oracle's, both axes, 2 and 4 bits; rows with constant values included."""
+    g = torch.Generator().manual_seed(seed)
+    rotate, use_varn = FAMILIES[family]
+    for axis in ("channel", "token"):
+        for bits in (2, 4):
+            q = AffineQuantizer(AffineConfig(bits, axis, rotate, use_varn, tile=128, clip=clip), "query")
+            for kind in ("heavy", "constant"):
+                compare(q, inputs(kind, 4, 128, 64, g), torch.rand(4, 64, generator=g) if family == "auto" else None)
+            if family != "auto":
+                check_against_reference(q, heavy_tailed(2, 128, 64, generator=g).float())
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("kind,axis", [("keys", "channel"), ("values", "token")])
 def test_kernel_on_real_kv(kind, axis):

@@ -72,7 +72,7 @@ def test_tile_store_opcheck_with_query_aware_coefficients(monkeypatch, seed):
     q.encode_kernel(x, sigma)
     monkeypatch.setattr(affine, "STORE_SEAT", real)
     args = seen[0]
-    assert args[-1].shape == (3, 2, 64, 64)
+    assert args[-2].shape == (3, 2, 64, 64) and args[-1] == 1.0
     torch.library.opcheck(torch.ops.kvarn.tile_store.default, args, test_utils=UTILS)
     for got, want in zip(torch.ops.kvarn.tile_store.default(*args), tile_store_reference(*args), strict=True):
         assert torch.equal(got, want)

@@ -178,11 +178,13 @@ def test_quantizer_is_keys_only() -> None:
 def kernel_configs() -> list[AffineConfig]:
     return [*configs(), AffineConfig(3, "channel", "auto", True, tile=G, col_scale_dtype=COL),
             AffineConfig(4, "channel", "auto", True, tile=G, col_scale_dtype=COL),
-            AffineConfig(2, "channel", "hadamard", True, tile=64, scale_dtype=torch.bfloat16)]
+            AffineConfig(2, "channel", "hadamard", True, tile=64, scale_dtype=torch.bfloat16),
+            AffineConfig(2, "channel", "auto", True, tile=G, col_scale_dtype=COL, clip=0.8)]
 
 
 @pytest.mark.skipif(load() is None, reason="the CPU extension could not be built")
-@pytest.mark.parametrize("cfg", kernel_configs(), ids=lambda c: f"{c.bits}b-{c.rotate}-varn{int(c.varn)}-g{c.tile}")
+@pytest.mark.parametrize("cfg", kernel_configs(),
+                         ids=lambda c: f"{c.bits}b-{c.rotate}-varn{int(c.varn)}-g{c.tile}-clip{c.clip:g}")
 def test_store_kernel_equals_reference(cfg: AffineConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused CPU store rounds query-aware as the reference does: every field bit for bit, bf16 input and a
     non-finite tile (encoded as zeros, flagged) included; the kernel is the path `encode_tiles` takes. The kernel path

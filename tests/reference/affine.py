@@ -4,7 +4,7 @@ Token-major tile x [G, D]:
     w = x @ H                                  (if rotated; H from `hadamard_reference`)
     keys:   X = w^T [D, G] (rows = channels)   values: X = w [G, D] (rows = tokens)
     B, s_c, s_r = varn_ref(X)                  (if VarN; else B = X, s_c = s_r = 1)
-    q, delta, lo = rtn per row of B
+    q, delta, lo = rtn per row of B            (its range clipped to `clip` of the row's about the midpoint)
     a_r = s_r * delta_r, z_r = s_r * lo_r, t_c = s_c
     refined channels (keys, refine = k > 0): the k rows of largest w_r a_r^2 (w the weight, 1 without; ties to the
     lower row) get rtn at bits + 2 instead, a_r = s_r * delta'_r   (kvarn.quant.affine, "Refined channels")
@@ -38,7 +38,8 @@ class TileRef:
 
 
 def quantize_tile_ref(x: torch.Tensor, bits: int, axis: str, rotate: bool, use_varn: bool,
-                      iters: int = 8, refine: int = 0, weight: list[float] | None = None) -> TileRef:
+                      iters: int = 8, refine: int = 0, weight: list[float] | None = None,
+                      clip: float = 1.0) -> TileRef:
     w = x.double() @ hadamard_reference(x.shape[1]) if rotate else x.double()
     rows_t = w.T if axis == "channel" else w
     rows = rows_t.tolist()
@@ -46,13 +47,13 @@ def quantize_tile_ref(x: torch.Tensor, bits: int, axis: str, rotate: bool, use_v
         b, s_c, s_r, _, _ = varn_ref(rows, iters)
     else:
         b, s_c, s_r = rows, [1.0] * len(rows[0]), [1.0] * len(rows)
-    codes, delta, lo, positions = rtn_rows(b, bits)
+    codes, delta, lo, positions = rtn_rows(b, bits, clip)
     a = [s_r[r] * delta[r] for r in range(len(rows))]
     w = weight or [1.0] * len(rows)
     score = [w[r] * a[r] ** 2 for r in range(len(rows))]
     refined = sorted(sorted(range(len(rows)), key=lambda r: (-score[r], r))[:refine])
     for r in refined:
-        c2, d2, l2, p2 = rtn_rows([b[r]], bits + 2)
+        c2, d2, l2, p2 = rtn_rows([b[r]], bits + 2, clip)
         codes[r], delta[r], lo[r], positions[r] = c2[0], d2[0], l2[0], p2[0]
         a[r] = s_r[r] * delta[r]
     z = [s_r[r] * lo[r] for r in range(len(rows))]

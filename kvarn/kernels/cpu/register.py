@@ -14,9 +14,10 @@ from kvarn.kernels.cpu.build import error, load
 from kvarn.ops import seats
 
 
-def _tile_store(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative, coef=None):
+def _tile_store(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative, coef=None,
+                clip=1.0):
     out = store.store_tiles(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative,
-                            coef)
+                            coef, clip)
     return tuple(x.new_empty(0) if t is None else t for t in out)
 
 

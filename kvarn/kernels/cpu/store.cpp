@@ -77,6 +77,8 @@ struct Config {
   int bits, rotate, iters;  // rotate: 0 none, 1 hadamard, 2 auto
   bool varn, relative, weighted;
   int scale_dt, zero_dt, col_dt;  // zero_dt: fp16 when the scales are 8-bit (kvarn.quant.affine.zero_dtype)
+  bool clipped;                   // clip < 1 (kvarn.ops.rtn.row_range); else the range is the row's min and max
+  float half_clip;                // 0.5 * clip in float32
   int mb() const { return C * bits / 8; }
 };
 
@@ -397,6 +399,14 @@ void query_aware_rows(const Config& c, const float* coef, Work& w, uint8_t* q) {
   }
 }
 
+// kvarn.ops.rtn.row_range's clip: m = (lo + hi) * 0.5, h = (hi - lo) * (0.5 clip), [m - h, m + h], each step rounded
+// to float32 as PyTorch rounds it (no fused multiply-add here: -ffp-contract=fast would fuse m - (hi - lo) * hc)
+__attribute__((noinline, optimize("fp-contract=off"))) void clip_range(float& lo, float& hi, float half_clip) {
+  const float mid = (lo + hi) * 0.5f, half = (hi - lo) * half_clip;
+  lo = mid - half;
+  hi = mid + half;
+}
+
 // X [R][C] -> one encoding: B = X / s_c / s_r (VarN), RTN per row, a = s_r delta, z = s_r lo, t = s_c, packed codes.
 // coef [R][R] (keys only; null: nearest rounding): the codes rounded query-aware instead (query_aware_rows).
 void encode_rows(const Config& c, const float* X, Work& w, Encoded& e, const float* coef = nullptr) {
@@ -424,6 +434,7 @@ void encode_rows(const Config& c, const float* X, Work& w, Encoded& e, const flo
     const float* row = B + r * C;
     float lo, hi;
     row_range(row, C, lo, hi);
+    if (c.clipped) clip_range(lo, hi, c.half_clip);
     const float delta = std::max((hi - lo) / static_cast<float>(levels), RANGE_GUARD);
     const float s = c.varn ? w.br[r] : 1.f;
     const float a = c.varn ? delta * s : delta;
@@ -653,8 +664,9 @@ void coefficients_of(double* S, double damp, float* C, double* A, double* V, dou
 // was finite (else it was encoded as zeros), every stored scale is finite.
 std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t bits, bool channel,
                                     int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,
-                                    bool relative, const at::Tensor& coef) {
+                                    bool relative, const at::Tensor& coef, double clip) {
   TORCH_CHECK(x.dim() == 3 && x.device().is_cpu(), "kvarn store: x must be [N, G, D] on the CPU");
+  TORCH_CHECK(clip > 0.0 && clip <= 1.0, "kvarn store: clip must be in (0, 1]");
   TORCH_CHECK(bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 8, "kvarn store: bits must be 1, 2, 3, 4 or 8");
   Config c;
   const int64_t N = x.size(0);
@@ -672,6 +684,8 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
   c.zero_dt = c.scale_dt == E4M3 ? F16 : c.scale_dt;
   c.col_dt = static_cast<int>(col_dt);
   c.weighted = weight.numel() > 0;
+  c.clipped = clip < 1.0;
+  c.half_clip = static_cast<float>(0.5 * clip);
   const int nb = c.rotate == 2 ? 2 : 1;
   TORCH_CHECK(coef.numel() == 0 || (channel && coef.scalar_type() == at::kFloat && coef.is_contiguous() &&
                                     coef.dim() == 4 && coef.size(0) == N && coef.size(1) == nb &&

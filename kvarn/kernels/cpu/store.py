@@ -7,7 +7,8 @@ Per tile x [G, D] (token-major), float32 statistics, exactly the reference's ste
         column (a constant row gives 0; offsets do not cancel the variance), the clamps, Imb with ties taking the
         newer scales, no early stop; Imb(Y) of iteration i reuses its column stds as iteration i + 1's
     8-bit column scales (col_scale_dtype float8_e4m3fn): relative_col_scales (t = e4m3(s_c / max s_c), s_r' = s_r max)
-    RTN per row of B = X / s_c / s_r: lo, hi, delta = max((hi - lo) / (2^b - 1), 1e-10), q = round-half-even (keys
+    RTN per row of B = X / s_c / s_r: lo, hi (clipped about their midpoint, kvarn.ops.rtn.row_range),
+    delta = max((hi - lo) / (2^b - 1), 1e-10), q = round-half-even (keys
     with coefficients: query-aware rounding of u = (B - lo) / delta instead, kvarn.ops.rtn.query_aware_round)
     a = s_r delta, z = s_r lo, t = s_c cast to their storage dtypes; codes packed as kvarn.ops.packing packs them
 rotate="auto" (policy "query" or "mse", kvarn.quant.policy): both bases encoded, each decoded from its stored fields
@@ -62,16 +63,18 @@ def unsupported(x: torch.Tensor, bits: int, channel: bool, varn: bool, varn_iter
 
 def store_tiles(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel: bool, rotate: int, varn: bool,
                 varn_iters: int, scale_code: int, col_code: int, relative: bool,
-                coef: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                coef: torch.Tensor | None = None, clip: float = 1.0) -> tuple[torch.Tensor, ...]:
     """The fields of `AffineQuantizer.encode` for x [N, G, D] (shapes checked by the caller; `unsupported` is None):
     codes [N, R, C*b/8] uint8, row_scale, row_zero [N, R], col_scale [N, C] (VarN, else None), rotated [N] uint8
     (auto, else None); and [N] bool: input_finite (a tile holding NaN/Inf is encoded as zeros) and fields_finite
     (`Tiles.finite_tiles`). weight [N, D]: the policy's channel weights (None: unweighted squared error); rotate:
     `kvarn.ops.codes.Rotation`; scale_code, col_code: `DTYPE_CODES`; relative: `relative_col_scales`. coef
     [N, B, D, D] (keys): query-aware rounding's coefficients per tile and basis (B = 2 under rotate="auto", the rotated
-    basis first; the seat `kvarn::query_aware_coefficients`), None: nearest rounding."""
+    basis first; the seat `kvarn::query_aware_coefficients`), None: nearest rounding. clip: the share of each row's
+    range its grid spans (`kvarn.ops.rtn.row_range`)."""
     w = _EMPTY
     if weight is not None:
         w = weight if weight.dtype == torch.float32 and weight.is_contiguous() else weight.float().contiguous()
     c = _EMPTY if coef is None else coef.float().contiguous()
-    return tuple(load().store_tiles(x, w, bits, channel, rotate, varn, varn_iters, scale_code, col_code, relative, c))
+    return tuple(load().store_tiles(x, w, bits, channel, rotate, varn, varn_iters, scale_code, col_code, relative, c,
+                                       clip))
