@@ -7,9 +7,12 @@ and 3-bit layers chosen per request, pick "best"), under the names they were mea
 `kvarn-auto-k2v2-g128-prerope` stores keys before RoPE; `kvarn-b{2.5,3.0}-fp8` are version 3 with e4m3 row scales
 (the bits saved buy more promoted layers), `kvarn-b{2.5,3.0}-fp8-qar` the same with query-aware keys;
 `kvarn-c{2.5,3.0}` and their `-qar` versions store the share of each key tile's channels that the budget pays for
-at 4 bits (refined channels, `channel_budget_preset`; docs/TASKS.md, "Refined key channels"). (The query-aware
-variants `kvarn-auto-k2v2-g128-qar` and `kvarn-b{2.5,3.0}-qar` measured from here are registered presets now:
-`kvarn.presets.family`.)
+at 4 bits (refined channels, `channel_budget_preset`; docs/TASKS.md, "Refined key channels");
+`kvarn-auto-k2v2-g128[-qar]-kc{K}-vc{V}` clip the key and value grids to K and V of each row's range, and
+`kvarn-b{2.5,3.0}-qar-kc{C}-vc{C}` the budget presets' 2-bit grids (`AffineConfig.clip`; docs/TASKS.md, "Clipped
+2-bit grids"; `kvarn-auto-k2v2-g128-qar-kc0.8-vc0.8` is the registered `kvarn-auto-k2v2-g128-qar-clip`). (The
+query-aware variants `kvarn-auto-k2v2-g128-qar` and `kvarn-b{2.5,3.0}-qar` measured from here are registered presets
+now: `kvarn.presets.family`.)
 
     python scripts/budget_variants.py eval tasks --model qwen2.5-coder-0.5b --tasks niah_multikey_1 --lengths 4096 \
         --samples 10 --threads 1 --methods dynamic,kvarn-auto-k2v2-g128,kvarn-b2.5,kvarn-b2.5-k3 \

@@ -177,7 +177,7 @@ def _entries() -> tuple[Entry, ...]:
         for g in TILES:
             out.append((f"kvarn-auto-k{kb}v{vb}-g{g}-qar",
                         lambda kb=kb, vb=vb, g=g: affine_preset("kvarn-auto", kb, vb, g, rounding="query-aware"), ()))
-    for g in TILES:  # ... and 2-bit grids over CLIP_2BIT of each row's range (issue 20; docs/TASKS.md, "Clipped grids")
+    for g in TILES:  # ... and 2-bit grids over CLIP_2BIT of each row's range (docs/TASKS.md, "Clipped 2-bit grids")
         name = f"kvarn-auto-k2v2-g{g}-qar-clip"
         out.append((name, lambda g=g, n=name: affine_preset("kvarn-auto", 2, 2, g, n, rounding="query-aware",
                                                           clip=(CLIP_2BIT, CLIP_2BIT)), ()))

@@ -10,6 +10,7 @@ Every vLLM engine start costs about a minute on 2 cores, so each configuration r
     auto       the default preset kvarn-auto-k2v2-g128 (`AUTO`), the same job as stock: greedy tokens, KV capacity,
                generate time (test_engine_auto.py)
     auto-qar   the same with query-aware keys (`AUTO_QAR`; a slow test of test_engine_auto.py)
+    auto-qar-clip  the same with clipped 2-bit grids (`AUTO_QAR_CLIP`; the same slow test)
     budget     the budget preset `BUDGET` (kvarn-b2.5-qar: key widths per layer, one allocation per engine), the same
                job (test_engine_auto.py)
     (k4v2 runs as the OpenAI server, `start_server` through the session fixture `server` of conftest.py, shared by
@@ -44,6 +45,7 @@ import pytest
 PRESET = "kvarn-k4v2-g128"
 AUTO = "kvarn-auto-k2v2-g128"  # kvarn's default preset
 AUTO_QAR = AUTO + "-qar"  # its keys rounded query-aware (issue 20)
+AUTO_QAR_CLIP = AUTO_QAR + "-clip"  # ... and its 2-bit grids clipped (issue 20)
 BUDGET = "kvarn-b2.5-qar"  # the budget preset closest to full precision on the task suite (issue 20)
 MAX_NEW = 32
 LENGTHS = (150, 300, 400, 520)  # prompt tokens: the first stays within sink + one block, the others cross blocks
@@ -148,8 +150,8 @@ def engine(name: str) -> Run:
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()}, {"VLLM_PLUGINS": ""})
         elif name == "stock":
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()})
-        elif name in ("auto", "auto-qar", "budget"):
-            preset = {"auto": AUTO, "auto-qar": AUTO_QAR, "budget": BUDGET}[name]
+        elif name in ("auto", "auto-qar", "auto-qar-clip", "budget"):
+            preset = {"auto": AUTO, "auto-qar": AUTO_QAR, "auto-qar-clip": AUTO_QAR_CLIP, "budget": BUDGET}[name]
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs(kvarn(preset))})
         else:
             raise KeyError(name)

@@ -19,6 +19,7 @@ import pytest
 from .engine_common import (  # skips this module where vLLM is not installed
     AUTO,
     AUTO_QAR,
+    AUTO_QAR_CLIP,
     BUDGET,
     KV_GIB,
     LENGTHS,
@@ -55,18 +56,20 @@ def test_auto_preset_agrees_with_transformers_cache() -> None:
 
 
 @pytest.mark.slow
-def test_query_aware_preset_agrees_with_transformers_cache() -> None:
+@pytest.mark.parametrize(("run_name", "preset"), [("auto-qar", AUTO_QAR), ("auto-qar-clip", AUTO_QAR_CLIP)])
+def test_query_aware_preset_agrees_with_transformers_cache(run_name: str, preset: str) -> None:
     """kvarn-auto-k2v2-g128-qar (keys rounded with the running E[q q^T]: the engine's per layer, the transformers
-    cache's per sequence): the same teacher-forced agreement as the default preset, its capacity the default's (the
-    same page bytes). Slow: one more engine start (`make test-slow` with the vLLM venv, or -m slow)."""
-    run = engine("auto-qar")
-    assert f"kvarn: preset {AUTO_QAR}" in run.log
+    cache's per sequence) and its clipped-grid version: the same teacher-forced agreement as the default preset, its
+    capacity the default's (the same page bytes). Slow: one more engine start each (`make test-slow` with the vLLM
+    venv, or -m slow)."""
+    run = engine(run_name)
+    assert f"kvarn: preset {preset}" in run.log
     toks = run.out["tokens"]
     seqs = [p + t for p, t in zip(prompts(), toks)]
-    hf = agreement(transformers_top1(seqs, AUTO_QAR), toks)
+    hf = agreement(transformers_top1(seqs, preset), toks)
     stock = engine("stock").out["tokens"]
-    record("top1_agreement_transformers_vs_vllm", {AUTO_QAR: round(hf, 4)})
-    record("free_running_same_position_vs_stock_vllm", {AUTO_QAR: round(agreement(toks, stock), 4)})
+    record("top1_agreement_transformers_vs_vllm", {preset: round(hf, 4)})
+    record("free_running_same_position_vs_stock_vllm", {preset: round(agreement(toks, stock), 4)})
     assert capacity(run.log) == capacity(engine("auto").log)
     assert hf >= MIN_AGREEMENT, hf
 
