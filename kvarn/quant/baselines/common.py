@@ -29,6 +29,7 @@ import torch
 from kvarn.ops.hadamard import hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, rtn_quantize
+from kvarn.ops.rtn import check_clip as check_clip_share
 from kvarn.quant.base import TileQuantizer, check_tiles
 from kvarn.quant.tiles import Tiles
 
@@ -75,9 +76,8 @@ def resolve_group(head_dim: int, group: int | None) -> int:
 
 
 def check_clip(clip: float | None) -> float | None:
-    if clip is not None and not 0.0 < clip <= 1.0:
-        raise ValueError(f"clip ratio must be in (0, 1], got {clip}")
-    return clip
+    """None (no clipping) or `ops.rtn.check_clip`'s share."""
+    return None if clip is None else check_clip_share(clip)
 
 
 def clipped_rtn(x: torch.Tensor, bits: int, clip: float | None = None
