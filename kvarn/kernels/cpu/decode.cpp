@@ -53,11 +53,27 @@ inline typename Vec<W>::i load_u8(const uint8_t* p) {
   return __builtin_convertvector(bytes, typename Vec<W>::i);
 }
 
+// Plane k of W widened code bytes x as floats: (x >> k * BITS) & MASK. With AVX-512 and W = 16 one permute does the
+// mask and the conversion (vpermps reads the low 4 bits of each lane, the table maps them to their low BITS bits as
+// floats); the same values, so the same sums as the generic shift, mask and convert.
+template <int W, int BITS>
+inline typename Vec<W>::f code_plane(typename Vec<W>::i x, int k) {
+  constexpr int MASK = (1 << BITS) - 1;
+#if defined(__AVX512F__)
+  if constexpr (W == 16 && BITS <= 4) {
+    const __m512 table = _mm512_setr_ps(0 & MASK, 1 & MASK, 2 & MASK, 3 & MASK, 4 & MASK, 5 & MASK, 6 & MASK,
+                                        7 & MASK, 8 & MASK, 9 & MASK, 10 & MASK, 11 & MASK, 12 & MASK, 13 & MASK,
+                                        14 & MASK, 15 & MASK);
+    return (typename Vec<W>::f)_mm512_permutexvar_ps((__m512i)(x >> (k * BITS)), table);
+  }
+#endif
+  return __builtin_convertvector((x >> (k * BITS)) & MASK, typename Vec<W>::f);
+}
+
 // out[m][c] = sum_r w[m][r] * code[r][c] for MB rows m; codes [R][C*BITS/8] in planes, W bytes per step.
 template <int W, int BITS, int MB>
 void codes_mm_vec(const uint8_t* codes, int R, int C, const float* w, int ws, float* out, int os) {
   constexpr int PER = 8 / BITS;
-  constexpr int MASK = (1 << BITS) - 1;
   using vf = typename Vec<W>::f;
   using vi = typename Vec<W>::i;
   const int mb = C / PER;  // bytes per row = codes per plane
@@ -69,7 +85,7 @@ void codes_mm_vec(const uint8_t* codes, int R, int C, const float* w, int ws, fl
     for (int r = 0; r < R; ++r, p += mb) {
       const vi x = load_u8<W>(p);
       vf plane[PER];
-      for (int k = 0; k < PER; ++k) plane[k] = __builtin_convertvector((x >> (k * BITS)) & MASK, vf);
+      for (int k = 0; k < PER; ++k) plane[k] = code_plane<W, BITS>(x, k);
       for (int m = 0; m < MB; ++m) {
         const float wm = w[m * ws + r];
         for (int k = 0; k < PER; ++k) acc[m][k] += wm * plane[k];
@@ -358,9 +374,13 @@ void finish_logits(const Job& J, int64_t b, int64_t h, float* s, int ss, int n, 
       for (int i = 0; i < n; ++i) row[i] = std::tanh(row[i] / J.softcap) * J.softcap;
     if (J.bias != nullptr) {
       const float* br = bias_row(J, b, h, m) + pos;
-      for (int i = 0; i < n; ++i) {
-        const float x = br[idx ? idx[i] : i];
-        row[i] = x == NEG_INF ? NEG_INF : row[i] + x;
+      if (idx == nullptr) {
+        for (int i = 0; i < n; ++i) row[i] = br[i] == NEG_INF ? NEG_INF : row[i] + br[i];
+      } else {
+        for (int i = 0; i < n; ++i) {
+          const float x = br[idx[i]];
+          row[i] = x == NEG_INF ? NEG_INF : row[i] + x;
+        }
       }
     }
   }
@@ -439,19 +459,26 @@ void dense_logits(const float* q, int M, int D, const float* k, int n, float* s,
 // a zero probability adds nothing (a non-finite value behind an underflowed weight stays out, as a masked one does).
 template <int MB, int DV>
 void accumulate(const float* p, int ss, const float* v, int n, int D, int d0, float* acc) {
-  V16 a[MB][DV];
+  V16 a[MB][DV];  // fully unrolled so that gcc keeps a and x in registers (a rolled loop spilled them to the stack)
+#pragma GCC unroll 4
   for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
     for (int k = 0; k < DV; ++k) std::memcpy(&a[m][k], acc + m * D + d0 + 16 * k, 64);
   for (int i = 0; i < n; ++i) {
     V16 x[DV];
+#pragma GCC unroll 4
     for (int k = 0; k < DV; ++k) std::memcpy(&x[k], v + i * D + d0 + 16 * k, 64);
+#pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) {
       const float pm = p[m * ss + i];
       if (pm == 0.f) continue;
+#pragma GCC unroll 4
       for (int k = 0; k < DV; ++k) a[m][k] += pm * x[k];
     }
   }
+#pragma GCC unroll 4
   for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
     for (int k = 0; k < DV; ++k) std::memcpy(acc + m * D + d0 + 16 * k, &a[m][k], 64);
 }
 
@@ -482,10 +509,11 @@ void dense_values(const float* p, int ss, int M, const float* v, int n, int D, f
   }
 }
 
-struct DenseBuf {  // a chunk of dense rows widened to float32, and the chunk's unmasked row indices
+struct DenseBuf {  // a chunk of dense rows widened to float32, the chunk's unmasked row indices, the M bias rows
   std::vector<float> buf;
   std::vector<int> idx;
-  DenseBuf(int ss, int D) : buf(static_cast<size_t>(ss) * D), idx(ss) {}
+  std::vector<const float*> brows;
+  DenseBuf(int ss, int D, int M) : buf(static_cast<size_t>(ss) * D), idx(ss), brows(M) {}
 };
 
 // Dense rows (key_at(i), value_at(i): row i's elements of type T) at positions pos.., plain basis, in chunks of the
@@ -497,6 +525,9 @@ void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, K
   const int M = J.M, D = J.D;
   float* buf = db.buf.data();
   int* idx = db.idx.data();
+  const float** brows = db.brows.data();
+  if (J.bias != nullptr)
+    for (int m = 0; m < M; ++m) brows[m] = bias_row(J, b, h, m) + pos;
   for (int64_t c0 = 0; c0 < n; c0 += ss) {
     const int span = static_cast<int>(std::min<int64_t>(ss, n - c0));
     int cn = 0;
@@ -505,7 +536,7 @@ void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, K
     } else {
       for (int i = 0; i < span; ++i) {
         bool open = false;
-        for (int m = 0; m < M && !open; ++m) open = bias_row(J, b, h, m)[pos + c0 + i] != NEG_INF;
+        for (int m = 0; m < M && !open; ++m) open = brows[m][c0 + i] != NEG_INF;
         if (open) idx[cn++] = i;
       }
     }
@@ -552,8 +583,15 @@ void indexed_rows_t(const Job& J, int64_t b, int64_t h, State& st, const float* 
   const T* base = J.prows.data_ptr<T>() + h * J.psH;
   const int64_t *ki = J.pidx + b * 2 * J.pt, *vi = ki + J.pt;
   const int64_t R = J.pR, sN = J.psN, sR = J.psR;
-  dense_rows<T>(J, b, h, st, q, [=](int64_t i) { return base + ki[i] / R * sN + ki[i] % R * sR; },
-                [=](int64_t i) { return base + vi[i] / R * sN + vi[i] % R * sR; }, J.pt, J.ppos, s, ss, db);
+  if ((R & (R - 1)) == 0) {  // rows per slot a power of two (vLLM's block sizes): no int64 division per row
+    const int shift = __builtin_ctzll(static_cast<uint64_t>(R));
+    const auto at = [=](int64_t id) { return base + (id >> shift) * sN + (id & (R - 1)) * sR; };
+    dense_rows<T>(J, b, h, st, q, [=](int64_t i) { return at(ki[i]); }, [=](int64_t i) { return at(vi[i]); }, J.pt,
+                  J.ppos, s, ss, db);
+  } else {
+    dense_rows<T>(J, b, h, st, q, [=](int64_t i) { return base + ki[i] / R * sN + ki[i] % R * sR; },
+                  [=](int64_t i) { return base + vi[i] / R * sN + vi[i] % R * sR; }, J.pt, J.ppos, s, ss, db);
+  }
 }
 
 void indexed_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, float* s, int ss, DenseBuf& db) {
@@ -728,7 +766,7 @@ std::vector<at::Tensor> decode_attention(
   at::parallel_for(0, B * H * S, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(static_cast<int>(M), static_cast<int>(D), static_cast<int>(J.G), ss);
     std::vector<float> qbuf(2 * M * D);
-    DenseBuf db(ss, static_cast<int>(D));
+    DenseBuf db(ss, static_cast<int>(D), static_cast<int>(M));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (H * S), h = item / S % H, s = item % S;
       State st(static_cast<int>(M), static_cast<int>(D));
