@@ -437,6 +437,9 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
     if batched:
         output[batch.token_rows] = batched_decode(pool, batch, query[batch.token_rows], scale,
                                                   softcap).to(output.dtype)
+    # A bf16 model's prefill reads its decoded past in bf16, as stock vLLM reads its bf16 pages (the rounding, 2^-9
+    # relative, is far below the codes' error; SDPA is faster in bf16 on a CPU with AMX-BF16: docs/VLLM.md).
+    sdpa = torch.bfloat16 if prefill == "model" and query.dtype == torch.bfloat16 else compute_dtype(query.dtype)
     decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request -> its past decoded once (prefill pieces)
     same: dict[tuple, list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]]] = {}
     groups = query.shape[1] // pool.geo.num_kv_heads
@@ -450,7 +453,7 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
         out = fused_piece(pool, p, j, plan.sink_blocks, q, k[None], v[None], scale, softcap, plan, layer)
         if out is None:
             if j and decodes_past(groups * q.shape[2], softcap):  # SDPA over the decoded past: pieces of one shape
-                past = _decoded_past(pool, plan, p, i, j, query.dtype, layer, decoded)  # are served together below
+                past = _decoded_past(pool, plan, p, i, j, query.dtype, sdpa, layer, decoded)  # served together below
                 same.setdefault(_batch_key(False, j, q, k), []).append((rows, q, k, v, past))
                 continue
             past = past_view(pool, p, j, plan.sink_blocks, query.dtype, plan, layer)
@@ -460,27 +463,26 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
             out = packed_attention(q, k[None], v[None], KVarNPast(*past), None, scale, softcap,
                                    kernel=False)  # [1, L, Hq, D]
         output[rows] = out[0]
-    # A bf16 model's prefill reads its decoded past in bf16, as stock vLLM reads its bf16 pages (the rounding, 2^-9
-    # relative, is far below the codes' error; SDPA is faster in bf16 on a CPU with AMX-BF16: docs/VLLM.md).
-    sdpa = torch.bfloat16 if prefill == "model" and query.dtype == torch.bfloat16 else compute_dtype(query.dtype)
     for pieces in same.values():  # block j of equally long prompts: one call for all of them (batch axis)
         out = _batched_pieces(pieces, scale, softcap, sdpa)  # [n, L, Hq, D]
         for (rows, *_), o in zip(pieces, out):
             output[rows] = o
 
 
-def _decoded_past(pool: LayerPool, plan: StepPlan, p: RequestPlan, i: int, j: int, dtype: torch.dtype, layer: str,
+def _decoded_past(pool: LayerPool, plan: StepPlan, p: RequestPlan, i: int, j: int, dtype: torch.dtype,
+                  sdpa: torch.dtype, layer: str,
                   decoded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[StoredKV, StoredKV]:
     """`past_view(.., j, ..)` for a prefill piece that `packed_attention` serves by decoding its past densely
     (`_decoded_sdpa`: many query rows, no soft cap), as exact rows: blocks [0, j) of request i decoded ONCE per
     step and layer (up to the request's last block touched in this step, every block before it stored already) and
     sliced per piece, instead of decoding blocks 0 .. j-1 again for every piece j of a long prompt. The rows are
     `past_view(..).dequantized(float32, dense=True)`, what `_decoded_sdpa` would compute from the packed view, so
-    the attention is the same to the bit."""
+    the attention is the same to the bit; they are kept in `sdpa`, the dtype the pieces' SDPA reads them in (cast
+    once here, not once per piece)."""
     if i not in decoded:
         last = (p.length - 1) // pool.layout.tile  # the last block this step touches: its past is every stored one
         full = past_view(pool, p, last, plan.sink_blocks, dtype, plan, layer)
-        decoded[i] = (full[0].dequantized(torch.float32, dense=True), full[1].dequantized(torch.float32, dense=True))
+        decoded[i] = tuple(x.dequantized(torch.float32, dense=True).to(sdpa) for x in full)
     lay, h = pool.layout, pool.geo.num_kv_heads
     n = j * lay.tile
     return tuple(StoredKV(x[:, :, :n], Tiles(), 0, None, _NO_EXACT, None, q, (1, h, lay.head_dim), dtype)

@@ -517,14 +517,15 @@ def test_mixed_batch_matches_oracle(read_path, monkeypatch) -> None:
         assert sizes == [3, 4, 5, 5, 5], sizes
 
 
-@pytest.mark.parametrize("sink_blocks", [0, 1, 2])
-def test_prefill_pieces_decode_their_past_once(sink_blocks: int, monkeypatch) -> None:
+@pytest.mark.parametrize(("sink_blocks", "dtype"), [(0, torch.float32), (1, torch.float32), (2, torch.float32),
+                                                   (1, torch.bfloat16)])
+def test_prefill_pieces_decode_their_past_once(sink_blocks: int, dtype: torch.dtype, monkeypatch) -> None:
     """Prefill pieces that `packed_attention` serves by decoding the past densely (more than FOLD_MAX_ROWS query rows
     per KV head; lowered to 8 here so G = 16 pieces qualify) read their request's past decoded once per step and
-    layer: long chunks over many stored blocks, a block kept exact among them (a huge key) and a prefix hit
-    match the float64 oracle (1e-4, module docstring); every output equals, bit for bit, the run in which each piece
-    builds and decodes its own packed view (`past_view`); the view is built once per request and step (4 here, for
-    14 such pieces)."""
+    layer (and, for a bf16 model, cast to bf16 once): long chunks over many stored blocks, a block kept exact among
+    them (a huge key) and a prefix hit match the float64 oracle (1e-4, module docstring; float32); every output
+    equals, bit for bit, the run in which each piece builds and decodes its own packed view (`past_view`); the view
+    is built once per request and step (4 here, for 14 such pieces)."""
     import kvarn.attention.packed as packed_mod
 
     monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
@@ -543,10 +544,10 @@ def test_prefill_pieces_decode_their_past_once(sink_blocks: int, monkeypatch) ->
         with monkeypatch.context() as m:
             m.setattr(paged, "past_view", lambda *a, **k: views.append(1) or real_view(*a, **k))
             m.setattr(paged, "_decoded_past", counted if once else
-                      lambda pool, plan, p, i, j, dtype, layer, decoded:
+                      lambda pool, plan, p, i, j, dtype, sdpa, layer, decoded:
                       decodes.append(1) or real_view(pool, p, j, plan.sink_blocks, dtype, plan, layer))
             gen = torch.Generator().manual_seed(5)
-            eng = Engine(sink_blocks=sink_blocks)
+            eng = Engine(sink_blocks=sink_blocks, dtype=dtype)
             eng.poison["a"] = [(3 * G + 2, "k", 1, 0, 3e7)]  # block 3 kept exact (its fp16 scale overflows)
             eng.add("a")
             outs = []
@@ -557,7 +558,7 @@ def test_prefill_pieces_decode_their_past_once(sink_blocks: int, monkeypatch) ->
                     eng.add("b", shared_from=("a", 4))
                     eng.exact["b"] = {3}
                 outs.append(eng.step(work, gen))
-                if once:
+                if once and dtype == torch.float32:
                     _check(eng, outs[-1])
         return outs, decodes
 
