@@ -15,6 +15,7 @@ beside it); --repeat N runs N more attend calls after the timing, for a sampling
 --sort symbol`: where the C++ kernel spends its time); --layers N gives each of N layers its own pool and times the
 step over all of them, so that, as in the engine, a layer's rows are no longer in the cache when it is read again
 (`--layers 30 --threads 2`: what the engine's decode meets); --threads N: N threads (wall time as well as CPU time);
+--context N: the first request's context (default 512; the others 7 tokens more each);
 --parts times the decode kernel call alone (1 pool, 1 thread, CPU time, best of 7 rounds) with its work cut down:
 whole, packed tiles only, dense rows (sinks and current blocks) only, neither: the fixed cost per call, and what a
 packed token and a dense row cost above it. Used for docs/VLLM.md.
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--parts", action="store_true")
+    ap.add_argument("--context", type=int, default=512, help="tokens of context of the first request (default 512)")
     args = ap.parse_args()
     preset = args.preset
     torch.manual_seed(0)
@@ -56,8 +58,9 @@ def main() -> None:
     pools = [LayerPool(torch.zeros(2000, H, G, geo.c, dtype=torch.uint8), geo) for _ in range(args.layers)]
     pool = pools[0]
     table = SlotTable(pool.n_slots, G, 1)
-    blocks = [list(range(1 + 6 * r, 7 + 6 * r)) for r in range(R)]
-    lens = [512 + 7 * r for r in range(R)]
+    nb = -(-(args.context + 7 * R + 64) // G)  # blocks per request: its context and the decode steps timed
+    blocks = [list(range(1 + nb * r, 1 + nb * (r + 1))) for r in range(R)]
+    lens = [args.context + 7 * r for r in range(R)]
     starts = [sum(lens[:r]) for r in range(R)]
     plan = table.plan([(s, s + n) for s, n in zip(starts, lens)], [0] * R, lens,
                       [b[:-(-n // G)] for b, n in zip(blocks, lens)])
