@@ -1,6 +1,6 @@
 """CPU time of one layer of the vLLM backend's decode step, without vLLM: `write_step` + `attend_step` for 8 decode
-rows of SmolLM2-135M's geometry (3 KV heads, 9 query heads, D = 64, bf16, G = 128, one sink block, contexts of about
-515 to 565 tokens) over a page pool of real packed tiles.
+rows of SmolLM2-135M's geometry (3 KV heads, 9 query heads, D = 64, bf16, G = 128, one sink block, contexts of
+--context to --context + 49 tokens, 512 by default) over a page pool of real packed tiles.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile] [--repeat N] [--rounds N]
         [--layers N] [--threads N] [--parts]
