@@ -7,14 +7,13 @@ a saved run (`torch.equal`), for a refactor meant to change no arithmetic.
 Inputs: 7 presets (KVarN, kvarn-auto with and without query-aware rounding and clipping, RTN, Hadamard; 2/4-bit,
 head dims 64/96/128) x float32/bf16/fp16 keys, values and queries (sinks and tails kept in that dtype) x GQA ratios
 1/3/4, with padding masks (`packed_attention` through the kernel, KVARN_KERNEL=cpu); plus the vLLM backend's batched
-decode over a page pool (`scripts/vllm_layer_step.py`'s: fp slot rows read through row ids). FILE defaults to
+decode over the page pool of `scripts/vllm_layer_step.py` (fp slot rows read through row ids). FILE defaults to
 /tmp/kvarn-kernel-bitcheck.pt. The float64-oracle tests (tests/kernels) bound the arithmetic; this shows that a
 change kept it to the bit.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import warnings
@@ -52,25 +51,15 @@ def cache_outputs() -> dict:
 
 
 def paged_output() -> torch.Tensor:
-    spec = importlib.util.spec_from_file_location("vllm_layer_step", ROOT / "scripts" / "vllm_layer_step.py")
-    step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step)
+    """One batched decode call over `vllm_layer_step`'s prefilled page pool (this folder)."""
+    from vllm_layer_step import HQ, D, R, decode_plan, prefilled
+
     from kvarn.integrations.vllm import paged
 
-    got = []
-
-    def parts(pool, plan) -> None:  # replaces the script's timing: one batched decode call on its pool
-        gen = torch.Generator().manual_seed(3)
-        q = torch.randn(step.R, step.HQ, step.D, generator=gen).bfloat16()
-        got.append(paged.batched_decode(pool, paged.decode_batch(plan, pool), q, step.D ** -0.5, None))
-
-    step.parts = parts
-    argv, sys.argv = sys.argv, ["vllm_layer_step", "--parts"]
-    try:
-        step.main()
-    finally:
-        sys.argv = argv
-    return got[0]
+    b = prefilled("kvarn-k2v2-g128")
+    plan = decode_plan(b.table, b.blocks, b.lens, [x + 1 for x in b.lens])
+    q = torch.randn(R, HQ, D, generator=torch.Generator().manual_seed(3)).bfloat16()
+    return paged.batched_decode(b.pools[0], paged.decode_batch(plan, b.pools[0]), q, D ** -0.5, None)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ rows of SmolLM2-135M's geometry (3 KV heads, 9 query heads, D = 64, bf16, G = 12
 --context to --context + 49 tokens, 512 by default) over a page pool of real packed tiles.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile] [--repeat N] [--rounds N]
-        [--layers N] [--threads N] [--parts]
+        [--layers N] [--threads N] [--parts] [--context N]
 
 Prints the CPU time (`time.process_time`, so a shared machine's load does not enter; 1 thread unless --threads) per
 layer of each
@@ -39,6 +39,49 @@ from kvarn.presets import get_preset
 H, HQ, D, G, R, LAYERS = 3, 9, 64, 128, 8, 30
 
 
+@dataclasses.dataclass
+class Prefilled:
+    pools: list[LayerPool]  # one per layer, the prompts stored
+    table: SlotTable
+    blocks: list[list[int]]  # per request, its block ids
+    lens: list[int]  # per request, the tokens stored
+    observe_ms: float  # CPU time of the first pool's prompt store: the query statistics ...
+    store_ms: float  # ... and all of it
+
+
+def prefilled(preset: str, layers: int = 1, context: int = 512) -> Prefilled:
+    """R prompts of `context` + 7 r tokens stored in `layers` page pools (seed 0): packed tiles, sinks and filling
+    blocks, as the backend's prefill leaves them."""
+    torch.manual_seed(0)
+    lay = TileLayout(get_preset(preset), D, torch.bfloat16)
+    geo = choose_geometry(lay, H, LAYERS, 2**30, slots=3 * 16)
+    pools = [LayerPool(torch.zeros(2000, H, G, geo.c, dtype=torch.uint8), geo) for _ in range(layers)]
+    table = SlotTable(pools[0].n_slots, G, 1)
+    nb = -(-(context + 7 * R + 64) // G)  # blocks per request: its context and the decode steps timed
+    blocks = [list(range(1 + nb * r, 1 + nb * (r + 1))) for r in range(R)]
+    lens = [context + 7 * r for r in range(R)]
+    starts = [sum(lens[:r]) for r in range(R)]
+    plan = table.plan([(s, s + n) for s, n in zip(starts, lens)], [0] * R, lens,
+                      [b[:-(-n // G)] for b, n in zip(blocks, lens)])
+    for q_ in (lay.key_q, lay.value_q):  # load the store kernel before timing
+        q_.encode_tiles(torch.randn(2, G, D), torch.ones(2, D) if q_.takes_weight else None)
+    queries = torch.randn(sum(lens), HQ, D).bfloat16()
+    for p in reversed(pools):  # the first pool last: its times are the ones kept
+        t0 = time.process_time()
+        paged.observe_queries(p, queries)  # kvarn-auto: before the store
+        observe = (time.process_time() - t0) * 1e3
+        paged.write_step(p, plan, torch.randn(sum(lens), H, D).bfloat16(), torch.randn(sum(lens), H, D).bfloat16(),
+                         "bench")  # the prompts: packed tiles, sinks and filling blocks
+        store = (time.process_time() - t0) * 1e3
+    return Prefilled(pools, table, blocks, lens, observe, store)
+
+
+def decode_plan(table: SlotTable, blocks: list[list[int]], lens: list[int], new: list[int]):
+    """The step plan of one decode token per request, from `lens` to `new` tokens."""
+    return table.plan([(i, i + 1) for i in range(R)], list(lens), list(new),
+                      [b[:-(-x // G)] for b, x in zip(blocks, new)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("preset", nargs="?", default="kvarn-k2v2-g128")
@@ -51,35 +94,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="tokens of context of the first request (default 512)")
     args = ap.parse_args()
     preset = args.preset
-    torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    lay = TileLayout(get_preset(preset), D, torch.bfloat16)
-    geo = choose_geometry(lay, H, LAYERS, 2**30, slots=3 * 16)
-    pools = [LayerPool(torch.zeros(2000, H, G, geo.c, dtype=torch.uint8), geo) for _ in range(args.layers)]
+    b = prefilled(preset, args.layers, args.context)
+    pools, table, blocks, lens = b.pools, b.table, b.blocks, b.lens
     pool = pools[0]
-    table = SlotTable(pool.n_slots, G, 1)
-    nb = -(-(args.context + 7 * R + 64) // G)  # blocks per request: its context and the decode steps timed
-    blocks = [list(range(1 + nb * r, 1 + nb * (r + 1))) for r in range(R)]
-    lens = [args.context + 7 * r for r in range(R)]
-    starts = [sum(lens[:r]) for r in range(R)]
-    plan = table.plan([(s, s + n) for s, n in zip(starts, lens)], [0] * R, lens,
-                      [b[:-(-n // G)] for b, n in zip(blocks, lens)])
-    for q_ in (lay.key_q, lay.value_q):  # load the store kernel before timing
-        q_.encode_tiles(torch.randn(2, G, D), torch.ones(2, D) if q_.takes_weight else None)
-    queries = torch.randn(sum(lens), HQ, D).bfloat16()
-    for p in reversed(pools):  # the first pool last: its times are the ones printed
-        t0 = time.process_time()
-        paged.observe_queries(p, queries)  # kvarn-auto: before the store
-        observe = (time.process_time() - t0) * 1e3
-        paged.write_step(p, plan, torch.randn(sum(lens), H, D).bfloat16(), torch.randn(sum(lens), H, D).bfloat16(),
-                         "bench")  # the prompts: packed tiles, sinks and filling blocks
-        prefill = (time.process_time() - t0) * 1e3
 
     def step(n: int) -> tuple[float, float, float]:
-        new = [x + 1 for x in lens]
-        plan = table.plan([(i, i + 1) for i in range(R)], list(lens), new,
-                          [b[:-(-x // G)] for b, x in zip(blocks, new)])
-        lens[:] = new
+        plan = decode_plan(table, blocks, lens, [x + 1 for x in lens])
+        lens[:] = [x + 1 for x in lens]
         q, k, v = (torch.randn(R, h, D).bfloat16() for h in (HQ, H, H))
         out = torch.zeros_like(q)
         t0 = time.process_time()
@@ -105,8 +127,8 @@ def main() -> None:
     print(f"{preset}, {args.layers} layer pool(s), {args.threads} thread(s): attend {wall:.3f} ms per layer (wall "
           f"time)")
     print(f"{preset}: per layer write {write:.3f} ms, attend {attend:.3f} ms (CPU time); x{LAYERS} layers = "
-          f"{LAYERS * (write + attend):.1f} ms per step; the prompts' store {prefill:.1f} ms per layer "
-          f"({LAYERS * prefill:.0f} ms x{LAYERS}), of which the query statistics {observe:.1f} ms")
+          f"{LAYERS * (write + attend):.1f} ms per step; the prompts' store {b.store_ms:.1f} ms per layer "
+          f"({LAYERS * b.store_ms:.0f} ms x{LAYERS}), of which the query statistics {b.observe_ms:.1f} ms")
     if args.repeat:
         step(args.repeat)
     if args.profile:
@@ -114,8 +136,7 @@ def main() -> None:
         prof.runcall(step, 10)
         pstats.Stats(prof).sort_stats("tottime").print_stats(8)
     if args.parts:
-        parts(pool, table.plan([(i, i + 1) for i in range(R)], [x - 1 for x in lens], list(lens),
-                               [b[:-(-x // G)] for b, x in zip(blocks, lens)]))
+        parts(pool, decode_plan(table, blocks, [x - 1 for x in lens], lens))
 
 
 def parts(pool: LayerPool, plan) -> None:

@@ -522,10 +522,10 @@ def test_mixed_batch_matches_oracle(read_path, monkeypatch) -> None:
 def test_prefill_pieces_decode_their_past_once(sink_blocks: int, dtype: torch.dtype, monkeypatch) -> None:
     """Prefill pieces that `packed_attention` serves by decoding the past densely (more than FOLD_MAX_ROWS query rows
     per KV head; lowered to 8 here so G = 16 pieces qualify) read their request's past decoded once per step and
-    layer (and, for a bf16 model, cast to bf16 once): long chunks over many stored blocks, a block kept exact among
-    them (a huge key) and a prefix hit match the float64 oracle (1e-4, module docstring; float32); every output
-    equals, bit for bit, the run in which each piece builds and decodes its own packed view (`past_view`); the view
-    is built once per request and step (4 here, for 14 such pieces)."""
+    layer: long chunks over many stored blocks, a block kept exact among them (a huge key) and a prefix hit match
+    the float64 oracle (1e-4, module docstring; float32); every output equals, bit for bit, the run in which each
+    piece builds and decodes its own packed view (`past_view`), for a bf16 model too (its SDPA reads the past in
+    bf16); the view is built once per request and step (4 here, for 14 such pieces)."""
     import kvarn.attention.packed as packed_mod
 
     monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
