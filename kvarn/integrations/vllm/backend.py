@@ -56,7 +56,7 @@ from kvarn.integrations.vllm.layout import (
     num_blocks_in,
 )
 from kvarn.integrations.vllm.paged import attend_step, observe_queries, write_step
-from kvarn.integrations.vllm.pool import LayerPool, SlotTable, StepPlan, seq_fp_slots, write_stats
+from kvarn.integrations.vllm.pool import LayerPool, SlotTable, StepPlan, fp_slots_for, seq_fp_slots, write_stats
 
 log = logging.getLogger("vllm.kvarn")  # a child of vLLM's logger: its handlers and format
 
@@ -90,8 +90,17 @@ def _settings(vllm_config: Any = None) -> Settings:
     return s
 
 
-def default_fp_slots(settings: Settings, max_num_seqs: int) -> int:
-    return settings.fp_slots or seq_fp_slots(settings.sink_blocks) * max_num_seqs
+def crossing_requests(cfg: Any) -> int:
+    """Requests of one step that can complete a partly filled block and start the next (`pool.fp_slots_for`). vLLM's
+    scheduler cuts a prefill at its token budget once a step (the budget is then spent), and the cut request continues
+    first in the next, so one request continues a block at a time; a `long_prefill_token_threshold` cuts every long
+    prefill, so then any running request may (0: as many as run)."""
+    return 0 if getattr(cfg.scheduler_config, "long_prefill_token_threshold", 0) else 1
+
+
+def default_fp_slots(cfg: Any, settings: Settings, max_num_seqs: int) -> int:
+    crossing = crossing_requests(cfg) or max_num_seqs
+    return settings.fp_slots or fp_slots_for(settings.sink_blocks, max_num_seqs, crossing)
 
 
 class KVarNAttentionBackend(AttentionBackend):
@@ -249,7 +258,7 @@ def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> tu
         geo, seqs = choose_geometry(lay, num_kv_heads, layers, budget, s.fp_slots, other), sched.max_num_seqs
     else:
         geo, seqs = choose_pool(lay, num_kv_heads, layers, budget, sched.max_num_seqs,
-                                lambda n: default_fp_slots(s, n), other)
+                                lambda n: default_fp_slots(cfg, s, n), other)
         cap_max_num_seqs(cfg, seqs)  # this process's copy (the slot table's check); the engine core's: the spec
     seq = seq_fp_slots(s.sink_blocks)
     ratio = geo.tokens_ratio_vs_bf16() * layers * geo.page_bytes / (layers * geo.page_bytes + wider)
@@ -258,7 +267,8 @@ def page_geometry(cfg: Any, s: Settings, num_kv_heads: int, head_dim: int) -> tu
            + (f"; 2-bit key pages, wider ones {wider // num_kv_heads} bytes more per head and block over the "
               "layers" if wider else "")
            + f"); {ratio:.2f}x the tokens of a bf16 cache per byte; a running sequence holds {seq} fp "
-           f"blocks per layer ({seq * lay.fp_bytes * num_kv_heads * layers / 2**20:.2f} MiB over {layers} layers), "
+           f"blocks per layer ({seq * lay.fp_bytes * num_kv_heads * layers / 2**20:.2f} MiB over {layers} layers; a "
+           f"prefill continuing a block one more while it runs), "
            f"the pool {geo.fp_slots(num_blocks_in(geo, layers, budget, other))} per layer"
            + (f"; {len(attn) - layers} sliding-window layers kept by vLLM" if window else "")
            + (f"; key pages by layer: {class_counts(s.preset, layers, head_dim)} (budget preset: key widths "
@@ -371,7 +381,7 @@ def _make_shared(cfg: Any, s: Settings, spec: AttentionSpec) -> SharedPool:
     e = (page_geometry(cfg, s, spec.num_kv_heads, spec.head_size)[0].e if s.preset.key_high is not None
          else kv.shape[-1] - lay.c0)
     n_slots = PageGeometry(lay, spec.num_kv_heads, e).fp_slots(kv.shape[0])
-    need = default_fp_slots(s, cfg.scheduler_config.max_num_seqs)
+    need = default_fp_slots(cfg, s, cfg.scheduler_config.max_num_seqs)
     if n_slots < need:
         raise ValueError(f"kvarn: vLLM allocated {kv.shape[0]} blocks, whose fp pool share holds {n_slots} "
                          f"full-precision blocks per layer; {need} are needed for max_num_seqs="

@@ -145,8 +145,8 @@ def choose_geometry(layout: TileLayout, num_kv_heads: int, num_layers: int, budg
         num_blocks = num_blocks_in(geo, num_layers, budget, other_bytes)
         if geo.fp_slots(num_blocks) >= slots:
             return geo
-    raise ValueError(f"kvarn: {slots} full-precision blocks per layer (sinks and blocks being filled of up to "
-                     f"{slots // 2} sequences) do not fit in a KV cache of {budget / 2**30:.2f} GiB; lower "
+    raise ValueError(f"kvarn: {slots} full-precision blocks per layer (the running sequences' sinks and blocks "
+                     f"being filled) do not fit in a KV cache of {budget / 2**30:.2f} GiB; lower "
                      "max_num_seqs, or raise the KV budget (VLLM_CPU_KVCACHE_SPACE / kv_cache_memory_bytes), or set "
                      "additional_config kvarn.fp_slots")
 

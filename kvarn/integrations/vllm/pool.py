@@ -21,8 +21,14 @@ Lifetimes, as the backend sees vLLM's blocks through the block tables:
     (every complete block is packed, sink blocks included), with a warning, and is counted (`lost_sink_reads`); a
     running request whose filling block lost its slot (possible only if it went unscheduled for longer than the
     pool's slack) stops with an error naming the fix, never a wrong answer.
-Capacity: `fp_slots` >= (sink blocks + 2) * max_num_seqs keeps every running sequence's blocks (the +2: a block
-completing and the next one being filled within one step): `SEQ_FP_BLOCKS`. Blocks kept exact come on top.
+Capacity (`fp_slots_for`): between steps a running sequence holds its sink blocks and at most one block being filled
+(`SEQ_FP_BLOCKS`); within a step, a request whose new tokens complete a partly filled block and start the next holds
+both (the completing one until the next step), and only a prefill chunk that continues a block does that (a decode
+row writes one token; speculative decoding is refused). vLLM's scheduler cuts at most one request a step at its
+token budget, so one such request runs at a time, or more with `long_prefill_token_threshold`
+(`backend.crossing_requests`). So `fp_slots` >= (sink blocks + 1) * max_num_seqs + crossing keeps every running
+sequence's blocks (tests/integrations/vllm/test_pool_capacity.py drives the table with a scheduler of vLLM's rules
+at exactly that size). Blocks kept exact come on top.
 
 `SlotTable.stats` reports the table's state (`PoolStats`); the backend writes it to a JSON file every step when
 KVARN_POOL_STATS names one (docs/VLLM.md).
@@ -82,12 +88,18 @@ class Held:
     values: torch.Tensor
 
 
-SEQ_FP_BLOCKS = 2  # fp blocks per running sequence besides its sink blocks: the block being filled, one completing
+SEQ_FP_BLOCKS = 1  # fp blocks per running sequence besides its sink blocks, between steps: the block being filled
 
 
 def seq_fp_slots(sink_blocks: int) -> int:
-    """fp slots per layer that one running sequence can need in one step (module docstring)."""
+    """fp slots per layer that one running sequence holds between steps (module docstring)."""
     return sink_blocks + SEQ_FP_BLOCKS
+
+
+def fp_slots_for(sink_blocks: int, seqs: int, crossing: int = 1) -> int:
+    """fp slots per layer that `seqs` running sequences can need within one step, of which at most `crossing` complete
+    a partly filled block and start the next (module docstring)."""
+    return seq_fp_slots(sink_blocks) * seqs + min(crossing, seqs)
 
 
 @dataclass(frozen=True)

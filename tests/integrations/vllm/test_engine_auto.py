@@ -90,7 +90,7 @@ def test_budget_preset_agrees_and_its_pages_hold_its_bytes() -> None:
 
     from kvarn.integrations.vllm.budget import extra_page_bytes, page_classes
     from kvarn.integrations.vllm.layout import TileLayout, choose_pool, num_blocks_in
-    from kvarn.integrations.vllm.pool import seq_fp_slots
+    from kvarn.integrations.vllm.pool import fp_slots_for
     from kvarn.presets import get_preset
 
     run = engine("budget")
@@ -107,7 +107,7 @@ def test_budget_preset_agrees_and_its_pages_hold_its_bytes() -> None:
     lay = TileLayout(preset, 64, torch.bfloat16)
     budget, extra = KV_GIB * 2**30, extra_page_bytes(preset, 30, 3, 64, torch.bfloat16)
     geo, seqs_held = choose_pool(lay, 3, 30, budget, 8,
-                                 lambda n: seq_fp_slots(preset.policy.sink // lay.tile) * n, extra)
+                                 lambda n: fp_slots_for(preset.policy.sink // lay.tile, n), extra)
     assert seqs_held == 8
     predicted = num_blocks_in(geo, 30, budget, extra) * lay.tile
     reported = capacity(run.log)
@@ -127,13 +127,13 @@ def test_auto_capacity_is_the_layouts() -> None:
     import torch
 
     from kvarn.integrations.vllm.layout import TileLayout, choose_pool, num_blocks_in
-    from kvarn.integrations.vllm.pool import seq_fp_slots
+    from kvarn.integrations.vllm.pool import fp_slots_for
     from kvarn.presets import get_preset
 
     preset = get_preset(AUTO)
     lay = TileLayout(preset, 64, torch.bfloat16)
     budget = KV_GIB * 2**30
-    geo, seqs = choose_pool(lay, 3, 30, budget, 8, lambda n: seq_fp_slots(preset.policy.sink // lay.tile) * n)
+    geo, seqs = choose_pool(lay, 3, 30, budget, 8, lambda n: fp_slots_for(preset.policy.sink // lay.tile, n))
     assert seqs == 8
     predicted = num_blocks_in(geo, 30, budget) * lay.tile
     reported, stock = capacity(engine("auto").log), capacity(engine("stock").log)

@@ -61,6 +61,7 @@ def test_sliding_window_model_serves_with_default_max_num_seqs(tmp_path) -> None
     import torch
 
     from kvarn.integrations.vllm.layout import TileLayout, choose_pool, num_blocks_in
+    from kvarn.integrations.vllm.pool import fp_slots_for
     from kvarn.presets import get_preset
 
     path = tiny_gemma3(tmp_path / "tiny-gemma3")
@@ -79,7 +80,7 @@ def test_sliding_window_model_serves_with_default_max_num_seqs(tmp_path) -> None
     lay = TileLayout(get_preset(PRESET), 64, torch.float32)
     window_bytes = 5 * 2 * 128 * 2 * 64 * 4  # per block: K and V of 2 heads of 64 in float32, 5 layers
     budget = KV_GIB * 2**30
-    geo, n = choose_pool(lay, 2, 1, budget, 256, lambda k: 3 * k, window_bytes)
+    geo, n = choose_pool(lay, 2, 1, budget, 256, lambda k: fp_slots_for(1, k), window_bytes)
     assert n == seqs
     m = re.search(r"KV cache size: ([\d,]+) tokens", log)
     assert m, "vLLM's log has no KV cache size line"
@@ -108,6 +109,7 @@ def test_sliding_window_model_serves_a_budget_preset(tmp_path) -> None:
 
     from kvarn.integrations.vllm.budget import extra_page_bytes
     from kvarn.integrations.vllm.layout import TileLayout, choose_pool, num_blocks_in
+    from kvarn.integrations.vllm.pool import fp_slots_for
     from kvarn.presets import get_preset
 
     name = "kvarn-b3.0-qar"
@@ -122,7 +124,7 @@ def test_sliding_window_model_serves_a_budget_preset(tmp_path) -> None:
     lay = TileLayout(preset, 64, torch.float32)
     other = 5 * 2 * 128 * 2 * 64 * 4 + extra_page_bytes(preset, 1, 2, 64, torch.float32)  # window pages + wider keys
     budget = KV_GIB * 2**30
-    geo, _ = choose_pool(lay, 2, 1, budget, 256, lambda k: 3 * k, other)
+    geo, _ = choose_pool(lay, 2, 1, budget, 256, lambda k: fp_slots_for(1, k), other)
     m = re.search(r"KV cache size: ([\d,]+) tokens", log)
     assert m, "vLLM's log has no KV cache size line"
     reported = int(m.group(1).replace(",", ""))
