@@ -12,9 +12,10 @@ Keys of the "kvarn" mapping:
                  per layer, one allocation per engine chosen online, `budget`)
     sink         tokens kept exact at the start of every sequence (default: the preset's, 128); a multiple of G
     fp_slots     full-precision blocks per layer for sinks and blocks being filled, carved from the KV budget
-                 (default: sized from the budget, `layout.choose_pool`: (sink/G + 2) * max_num_seqs, what the running
-                 sequences can need at once, if that takes at most half of each kvarn page; else half of it, and
-                 max_num_seqs lowered to what it holds, in the engine core too: `backend.KVarNAttentionSpec`)
+                 (default: sized from the budget, `layout.choose_pool`: (sink/G + 1) * max_num_seqs + 1, what the
+                 running sequences can need at once (`pool.fp_slots_for`), if that takes at most half of each kvarn
+                 page; else half of it, and max_num_seqs lowered to what it holds, in the engine core too:
+                 `backend.KVarNAttentionSpec`)
     prefill      the dtype of the SDPA that serves prefill pieces over their decoded past: "model" (default: bf16
                  when the model runs in bf16, as stock vLLM reads its bf16 pages; faster on a CPU with AMX-BF16) or
                  "float32" (as kvarn's transformers cache computes)
