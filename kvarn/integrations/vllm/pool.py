@@ -16,11 +16,13 @@ Lifetimes, as the backend sees vLLM's blocks through the block tables:
     The slot index is taken in every layer's pool; only the marking layers use it;
   * a sink block keeps its slot after its request ends, so a prefix-cache hit finds it exact;
   * the backend is not told when a request ends, so the slot of its last (partial) block stays held until vLLM
-    reuses the block or the slot is needed: when none is free, the least recently used slot of a block that this
-    step does not touch is evicted. A later prefix-cache hit on an evicted sink block reads the block's packed copy
-    (every complete block is packed, sink blocks included), with a warning, and is counted (`lost_sink_reads`); a
-    running request whose filling block lost its slot (possible only if it went unscheduled for longer than the
-    pool's slack) stops with an error naming the fix, never a wrong answer.
+    reuses the block or the slot is needed: when none is free, a slot of a block that this step does not touch is
+    evicted, a partial block's before a sink's (vLLM never hits a partial block in its prefix cache, so a finished
+    request's last block is read by nothing; a sink may be hit again, e.g. by a preempted request resuming), least
+    recently used first. A later prefix-cache hit on an evicted sink block reads the block's packed copy (every
+    complete block is packed, sink blocks included), with a warning, and is counted (`lost_sink_reads`); a running
+    request whose filling block lost its slot (possible only if it went unscheduled while the pool was full) stops
+    with an error naming the fix, never a wrong answer.
 Capacity (`fp_slots_for`): between steps a running sequence holds its sink blocks and at most one block being filled
 (`SEQ_FP_BLOCKS`); within a step, a request whose new tokens complete a partly filled block and start the next holds
 both (the completing one until the next step), and only a prefill chunk that continues a block does that (a decode
@@ -176,7 +178,7 @@ class SlotTable:
             if not idle:
                 raise RuntimeError(f"kvarn: all {self.n_slots} full-precision blocks are in use by running sequences; "
                                    "raise additional_config kvarn.fp_slots or lower max_num_seqs")
-            victim = min(idle, key=lambda b: self.last_use.get(b, -1))
+            victim = min(idle, key=lambda b: (b in self.sink, self.last_use.get(b, -1)))  # partial blocks first
             self._release(victim)
             self.evictions += 1
         s = self.free.pop()
@@ -200,7 +202,7 @@ class SlotTable:
 
     def take_exact(self, block: int) -> int:
         """The slot of a block that a layer keeps exact, during the step that completed it: its own, else a free one,
-        else that of the least recently used block this step does not read (`_take`)."""
+        else that of an idle block this step does not read (`_take`)."""
         s = self.slot_of.get(block)
         return s if s is not None else self._take(block, self._in_use)
 

@@ -54,12 +54,14 @@ def test_stats_follow_the_slot_lifetimes() -> None:
 def test_stats_count_evictions_and_lost_sink_reads() -> None:
     table = SlotTable(3, G, 1)
     _step(table, [(0, 6, [1, 2])])  # A: sink 1, filling 2
-    # B: sink 3 takes the last slot; filling 4 evicts the least recently used slot of a block B does not touch: A's
-    # sink 1 (a tie with block 2, broken by age in the table)
+    # B: sink 3 takes the last slot; filling 4 evicts a slot of a block B does not touch, a partial block before a
+    # sink: A's block 2 (A's sink 1 is as old)
     st = _step(table, [(0, 5, [3, 4])])
-    assert (st.held, st.free, st.evictions, st.sinks, st.idle) == (3, 0, 1, 1, 1)
-    st = _step(table, [(0, 5, [5, 6])])  # C evicts A's block 2, then B's sink 3
-    assert (st.held, st.evictions, st.sinks, st.idle) == (3, 3, 1, 1)
+    assert (st.held, st.free, st.evictions, st.sinks, st.idle) == (3, 0, 1, 2, 0)
+    assert 2 not in table.slot_of and 1 in table.slot_of
+    st = _step(table, [(0, 5, [5, 6])])  # C evicts B's block 4 (partial), then the older sink: A's 1
+    assert (st.held, st.evictions, st.sinks, st.idle) == (3, 3, 2, 0)
+    assert 1 not in table.slot_of and 3 in table.slot_of
     st = _step(table, [(4, 6, [1, 7])])  # a prefix-cache hit on A's sink block 1, evicted: its packed copy is read
     assert st.lost_sink_reads == 1
 
