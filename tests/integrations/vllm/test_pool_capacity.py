@@ -28,9 +28,11 @@ class Req:
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
 
-    def want(self) -> int:
-        """Tokens this request would write this step: the rest of its prompt, or one decode token."""
-        return self.prompt - self.computed if self.computed < self.prompt else 1
+    def want(self, budget: int, threshold: int) -> int:
+        """Tokens this request writes this step: the rest of its prompt (cut at the threshold, if any) or one decode
+        token, cut at the budget."""
+        n = self.prompt - self.computed if self.computed < self.prompt else 1
+        return min(threshold if 0 < threshold < n else n, budget)
 
     def done(self) -> bool:
         return self.computed >= self.prompt + self.new - 1  # the last sampled token is never written
@@ -51,21 +53,12 @@ class Scheduler:
         for r in self.running:
             if budget <= 0:  # vLLM's loop stops here: later running requests wait a step
                 break
-            n = r.want()
-            if 0 < self.threshold < n:
-                n = self.threshold
-            n = min(n, budget)
-            sched.append((r, n))
-            budget -= n
+            sched.append((r, r.want(budget, self.threshold)))
+            budget -= sched[-1][1]
         while budget > 0 and self.waiting and len(self.running) < self.seqs:
-            r = self.waiting.pop(0)
-            n = r.want()
-            if 0 < self.threshold < n:
-                n = self.threshold
-            n = min(n, budget)
-            self.running.append(r)
-            sched.append((r, n))
-            budget -= n
+            self.running.append(self.waiting.pop(0))
+            sched.append((self.running[-1], self.running[-1].want(budget, self.threshold)))
+            budget -= sched[-1][1]
         rows, computed, lengths, tables, start = [], [], [], [], 0
         for r, n in sched:
             while len(r.blocks) * G < r.computed + n:
