@@ -90,17 +90,17 @@ def _settings(vllm_config: Any = None) -> Settings:
     return s
 
 
-def crossing_requests(cfg: Any) -> int:
-    """Requests of one step that can complete a partly filled block and start the next (`pool.fp_slots_for`). vLLM's
-    scheduler cuts a prefill at its token budget once a step (the budget is then spent), and the cut request continues
-    first in the next, so one request continues a block at a time; a `long_prefill_token_threshold` cuts every long
-    prefill, so then any running request may (0: as many as run)."""
-    return 0 if getattr(cfg.scheduler_config, "long_prefill_token_threshold", 0) else 1
+def crossing_requests(cfg: Any, seqs: int) -> int:
+    """Requests of one step, of `seqs` running, that can complete a partly filled block and start the next
+    (`pool.fp_slots_for`). vLLM's scheduler cuts a prefill at its token budget once a step (the budget is then spent),
+    and the cut request continues first in the next, so one request continues a block at a time; a
+    `long_prefill_token_threshold` cuts every long prefill, so then any running request may."""
+    return seqs if getattr(cfg.scheduler_config, "long_prefill_token_threshold", 0) else 1
 
 
 def default_fp_slots(cfg: Any, settings: Settings, max_num_seqs: int) -> int:
-    crossing = crossing_requests(cfg) or max_num_seqs
-    return settings.fp_slots or fp_slots_for(settings.sink_blocks, max_num_seqs, crossing)
+    return settings.fp_slots or fp_slots_for(settings.sink_blocks, max_num_seqs,
+                                             crossing_requests(cfg, max_num_seqs))
 
 
 class KVarNAttentionBackend(AttentionBackend):

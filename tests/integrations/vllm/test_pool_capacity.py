@@ -6,7 +6,8 @@ is spent), optionally cut at `long_prefill_token_threshold`; then waiting reques
 max_num_seqs allow; finished requests' blocks freed and reused (LIFO, so block ids come back soon). Each step goes
 through `SlotTable.plan` as the metadata builder passes it. With exactly `fp_slots_for` slots no step runs out, no
 running request loses its block being filled and no sink read falls back to a packed copy; one slot fewer fails
-some schedule (so the reserve is needed and the check can fail).
+some schedule, and so does one reserve block for the engine under a threshold (so each reserve is needed and the
+check can fail).
 """
 
 from __future__ import annotations
@@ -81,12 +82,14 @@ class Scheduler:
             self.free.extend(reversed(r.blocks))
 
 
-def run(seed: int, slack: int = 0, threshold: int = 0) -> SlotTable:
+def run(seed: int, slack: int = 0, threshold: int = 0, per_sequence: bool | None = None) -> SlotTable:
+    """One random schedule through a table of `fp_slots_for` + slack slots, reserving a crossing block per sequence
+    when `per_sequence` (default: when a threshold is set, as `backend.crossing_requests` does)."""
     rnd = random.Random(seed)
     seqs, sink = rnd.randint(1, 6), rnd.randint(0, 2)
     budget = rnd.choice([seqs, 2 * G + 3, 5 * G - 1, 11 * G + 5])
     budget = max(budget, seqs)  # vLLM requires max_num_batched_tokens >= max_num_seqs
-    crossing = seqs if threshold else 1
+    crossing = seqs if (bool(threshold) if per_sequence is None else per_sequence) else 1
     table = SlotTable(fp_slots_for(sink, seqs, crossing) + slack, G, sink)
     s = Scheduler(seqs, budget, threshold)
     s.waiting = [Req(rnd.randint(1, 9 * G), rnd.randint(1, 4 * G)) for _ in range(rnd.randint(1, 14))]
@@ -105,13 +108,36 @@ def test_pool_holds_every_schedule(threshold: int) -> None:
         assert table.lost_sink_reads == 0, seed
 
 
-def test_one_slot_fewer_runs_out() -> None:
-    """The reserve is needed: with one slot less than `fp_slots_for`, some schedule stops on a full pool (or evicts a
-    running request's block being filled)."""
+def _failures(**kw) -> int:
     failed = 0
     for seed in SEEDS:
         try:
-            run(seed, slack=-1)
-        except RuntimeError:
+            run(seed, **kw)
+        except RuntimeError:  # a full pool, or a running request's block being filled evicted
             failed += 1
-    assert failed > 0
+    return failed
+
+
+def test_one_slot_fewer_runs_out() -> None:
+    """The reserve is needed: with one slot less than `fp_slots_for`, some schedule stops on a full pool."""
+    assert _failures(slack=-1) > 0
+
+
+@pytest.mark.parametrize("threshold", [5, 2 * G + 1])
+def test_threshold_needs_a_reserve_per_sequence(threshold: int) -> None:
+    """With `long_prefill_token_threshold` several prefills continue blocks in one step: one reserve block for the
+    engine is not enough."""
+    assert _failures(threshold=threshold, per_sequence=False) > 0
+
+
+def test_backend_reserves_per_sequence_with_a_threshold() -> None:
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from kvarn.integrations.vllm.backend import crossing_requests
+
+    def cfg(t: int) -> SimpleNamespace:
+        return SimpleNamespace(scheduler_config=SimpleNamespace(long_prefill_token_threshold=t))
+
+    assert crossing_requests(cfg(0), 16) == 1
+    assert crossing_requests(cfg(512), 16) == 16
