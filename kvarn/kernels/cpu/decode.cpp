@@ -39,6 +39,18 @@ struct Vec {
   typedef uint8_t u8 __attribute__((vector_size(W)));
 };
 
+// The CPU's vector width in floats: 16 with AVX-512, else 8. gcc lowers a generic vector wider than the hardware's
+// through the stack (30x slower on an AVX2 CPU), so the loops below work in VW lanes. Where a sum's order depends on
+// the lane count (a row's dot product, the softmax's total) it stays that of 16 lanes, kept in HALVES vectors of VW,
+// so both widths add in one order and give the same bits.
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+constexpr int HALVES = 16 / VW;
+using VF = Vec<VW>::f;
+
 // W bytes widened to W int32 lanes (one instruction with AVX-512 / AVX2; the generic form is scalarized by gcc)
 template <int W>
 inline typename Vec<W>::i load_u8(const uint8_t* p) {
@@ -111,12 +123,15 @@ void codes_mm_scalar(const uint8_t* codes, int R, int C, const float* w, int ws,
       }
 }
 
+// Rows m in groups of up to 4 (AVX-512's 32 registers), or of as many as keep MB * PER accumulators within 8 of AVX2's
+// 16 (each output element sums over r in one order whatever the grouping).
 template <int W, int BITS>
 void codes_mm_rows(const uint8_t* codes, int R, int C, const float* w, int ws, int M, float* out, int os) {
-  for (int m0 = 0; m0 < M; m0 += 4) {
+  constexpr int MBMAX = VW == 16 ? 4 : std::clamp(BITS, 1, 4);  // BITS = 8 / PER
+  for (int m0 = 0; m0 < M; m0 += MBMAX) {
     const float* wm = w + m0 * ws;
     float* om = out + m0 * os;
-    switch (std::min(4, M - m0)) {
+    switch (std::min(MBMAX, M - m0)) {
       case 1: codes_mm_vec<W, BITS, 1>(codes, R, C, wm, ws, om, os); break;
       case 2: codes_mm_vec<W, BITS, 2>(codes, R, C, wm, ws, om, os); break;
       case 3: codes_mm_vec<W, BITS, 3>(codes, R, C, wm, ws, om, os); break;
@@ -128,8 +143,9 @@ void codes_mm_rows(const uint8_t* codes, int R, int C, const float* w, int ws, i
 template <int BITS>
 void codes_mm_bits(const uint8_t* codes, int R, int C, const float* w, int ws, int M, float* out, int os) {
   const int mb = C * BITS / 8;
-  if (mb % 16 == 0) codes_mm_rows<16, BITS>(codes, R, C, w, ws, M, out, os);
-  else if (mb % 8 == 0) codes_mm_rows<8, BITS>(codes, R, C, w, ws, M, out, os);
+  if constexpr (VW == 16)
+    if (mb % 16 == 0) return codes_mm_rows<16, BITS>(codes, R, C, w, ws, M, out, os);
+  if (mb % 8 == 0) codes_mm_rows<8, BITS>(codes, R, C, w, ws, M, out, os);
   else codes_mm_scalar<BITS>(codes, R, C, w, ws, M, out, os);
 }
 
@@ -164,35 +180,36 @@ void codes_mm(int bits, const uint8_t* codes, int R, int C, const float* w, int 
 // polynomial of degree 7 (relative error < 1e-8, below float32 rounding), 2^n through the exponent bits; x < -87
 // (and -inf) gives exactly 0, NaN stays NaN.
 float exp_shifted(float* s, int n, float mx) {
-  constexpr int W = 16;
-  using vf = Vec<W>::f;
-  using vi = Vec<W>::i;
-  vf total = vf{};
+  using vf = Vec<VW>::f;
+  using vi = Vec<VW>::i;
+  vf total[HALVES] = {};  // lane l of 16 in total[l / VW]
   int i = 0;
-  for (; i + W <= n; i += W) {
-    vf x;
-    std::memcpy(&x, s + i, sizeof(vf));
-    x -= mx;
-    const vi dead = x < -87.0f;
-    vf t = x * 1.44269504088896341f + 12582912.0f;  // round(x / ln2) by the 1.5 * 2^23 trick
-    const vf nf = t - 12582912.0f;
-    vf r = x - nf * 0.693145751953125f - nf * 1.42860682030941723212e-6f;  // ln2 split in two
-    vf p = vf{} + 1.f / 5040.f;
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const vi ni = __builtin_convertvector(nf, vi);
-    const vf y0 = p * (vf)((ni + 127) << 23);  // GCC vector casts reinterpret the bits
-    const vf y = (vf)((vi)y0 & ~dead);
-    std::memcpy(s + i, &y, sizeof(vf));
-    total += y;
-  }
+  for (; i + 16 <= n; i += 16)
+    for (int part = 0; part < HALVES; ++part) {
+      vf x;
+      std::memcpy(&x, s + i + part * VW, sizeof(vf));
+      x -= mx;
+      const vi dead = x < -87.0f;
+      vf t = x * 1.44269504088896341f + 12582912.0f;  // round(x / ln2) by the 1.5 * 2^23 trick
+      const vf nf = t - 12582912.0f;
+      vf r = x - nf * 0.693145751953125f - nf * 1.42860682030941723212e-6f;  // ln2 split in two
+      vf p = vf{} + 1.f / 5040.f;
+      p = p * r + 1.f / 720.f;
+      p = p * r + 1.f / 120.f;
+      p = p * r + 1.f / 24.f;
+      p = p * r + 1.f / 6.f;
+      p = p * r + 0.5f;
+      p = p * r + 1.f;
+      p = p * r + 1.f;
+      const vi ni = __builtin_convertvector(nf, vi);
+      const vf y0 = p * (vf)((ni + 127) << 23);  // GCC vector casts reinterpret the bits
+      const vf y = (vf)((vi)y0 & ~dead);
+      std::memcpy(s + i + part * VW, &y, sizeof(vf));
+      total[part] += y;
+    }
   float sum = 0.f;
-  for (int k = 0; k < W; ++k) sum += total[k];
+  for (int part = 0; part < HALVES; ++part)
+    for (int k = 0; k < VW; ++k) sum += total[part][k];
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - mx);
     sum += s[i];
@@ -287,18 +304,17 @@ Kind make_kind(const std::vector<at::Tensor>& f, const std::vector<int64_t>& s, 
   return k;
 }
 
-// max over s[0..n), NaN skipped (16 lanes at a time: a scalar max chain is a loop-carried dependency)
+// max over s[0..n), NaN skipped (VW lanes at a time: a scalar max chain is a loop-carried dependency)
 inline float row_max(const float* s, int n) {
-  using vf = Vec<16>::f;
-  vf mv = vf{} + NEG_INF;
+  VF mv = VF{} + NEG_INF;
   int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    vf x;
-    std::memcpy(&x, s + i, 64);
+  for (; i + VW <= n; i += VW) {
+    VF x;
+    std::memcpy(&x, s + i, sizeof x);
     mv = x > mv ? x : mv;
   }
   float mt = NEG_INF;
-  for (int k = 0; k < 16; ++k) mt = mv[k] > mt ? mv[k] : mt;
+  for (int k = 0; k < VW; ++k) mt = mv[k] > mt ? mv[k] : mt;
   for (; i < n; ++i) mt = s[i] > mt ? s[i] : mt;
   return mt;
 }
@@ -397,77 +413,90 @@ inline void row_to_f32(const T* src, int D, float* dst) {
     fp16_to_f32(reinterpret_cast<const uint16_t*>(src), D, dst);
 }
 
-using V16 = Vec<16>::f;
-using I16 = Vec<16>::i;
-constexpr int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+using IV = Vec<VW>::i;
 
-// out[r] = sum of the 16 lanes of x[r], r < 16: a transpose-and-add butterfly (15 pairs of shuffles and adds) instead
-// of 16 horizontal sums. Lane l of the result holds input slot bitrev4(l), so callers put row r in slot bitrev4(r).
-inline V16 lane_sums(V16* x) {
-  static const I16 lo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-                            {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-                            {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-                            {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
-  static const I16 hi[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-                            {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
-                            {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-                            {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+// out[r] = sum of the VW lanes of x[r], r < VW: a transpose-and-add butterfly (VW - 1 pairs of shuffles and adds)
+// instead of VW horizontal sums. Lane l of the result holds input slot bitrev(l), so callers put row r in slot
+// BITREV[r]. Each row's lanes are added pairwise at distance VW/2, then VW/4, ... (with 8 lanes, after the caller's
+// step at distance 8: the order of 16 lanes).
+#if defined(__AVX512F__)
+constexpr int BITREV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+constexpr int LEVELS = 4;
+static const IV SHUF_LO[LEVELS] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                                   {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                                   {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                                   {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+static const IV SHUF_HI[LEVELS] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                                   {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+                                   {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+                                   {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+#else
+constexpr int BITREV[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+constexpr int LEVELS = 3;
+static const IV SHUF_LO[LEVELS] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 8, 2, 10, 4, 12, 6, 14}};
+static const IV SHUF_HI[LEVELS] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {1, 9, 3, 11, 5, 13, 7, 15}};
+#endif
+
+inline VF lane_sums(VF* x) {
 #if defined(__clang__)  // no two-vector shuffle with a mask operand: plain sums, same lane order
-  V16 out = V16{};
-  for (int l = 0; l < 16; ++l)
-    for (int j = 0; j < 16; ++j) out[l] += x[BITREV4[l]][j];
+  VF out = VF{};
+  for (int l = 0; l < VW; ++l)
+    for (int j = 0; j < VW; ++j) out[l] += x[BITREV[l]][j];
   return out;
 #else
-  int n = 16;
-  for (int lvl = 0; lvl < 4; ++lvl, n /= 2)
+  int n = VW;
+  for (int lvl = 0; lvl < LEVELS; ++lvl, n /= 2)
     for (int k = 0; k < n / 2; ++k)
-      x[k] = __builtin_shuffle(x[2 * k], x[2 * k + 1], lo[lvl]) + __builtin_shuffle(x[2 * k], x[2 * k + 1], hi[lvl]);
+      x[k] = __builtin_shuffle(x[2 * k], x[2 * k + 1], SHUF_LO[lvl]) +
+             __builtin_shuffle(x[2 * k], x[2 * k + 1], SHUF_HI[lvl]);
   return x[0];
 #endif
 }
 
-// s[m][i] = q[m] . k[i] for n rows k [n][D] (float32, contiguous), 16 rows at a time: each row's 16-lane partial sums
-// over D, then one butterfly for the 16 rows. Rows past n count as zero; s rows have room for n rounded up to 16.
+// s[m][i] = q[m] . k[i] for n rows k [n][D] (float32, contiguous), VW rows at a time: each row's 16-lane partial sums
+// over D (HALVES vectors, added at distance 8 first), then one butterfly for the VW rows. Rows past n count as zero;
+// s rows have room for n rounded up to 16.
 void dense_logits(const float* q, int M, int D, const float* k, int n, float* s, int ss) {
   const int dv = D / 16 * 16;
-  V16 part[16];
-  for (int i0 = 0; i0 < n; i0 += 16) {
-    const int rows = std::min(16, n - i0);
+  VF part[VW];
+  for (int i0 = 0; i0 < n; i0 += VW) {
+    const int rows = std::min(VW, n - i0);
     for (int m = 0; m < M; ++m) {
       const float* qm = q + m * D;
-      for (int r = 0; r < 16; ++r) {
-        V16 acc = V16{};
+      for (int r = 0; r < VW; ++r) {
+        VF acc[HALVES] = {};
         if (r < rows) {
           const float* kr = k + (i0 + r) * D;
-          for (int d = 0; d < dv; d += 16) {
-            V16 a, c;
-            std::memcpy(&a, qm + d, 64);
-            std::memcpy(&c, kr + d, 64);
-            acc += a * c;
-          }
-          for (int d = dv; d < D; ++d) acc[0] += qm[d] * kr[d];
+          for (int d = 0; d < dv; d += 16)
+            for (int h = 0; h < HALVES; ++h) {
+              VF a, c;
+              std::memcpy(&a, qm + d + h * VW, sizeof a);
+              std::memcpy(&c, kr + d + h * VW, sizeof c);
+              acc[h] += a * c;
+            }
+          for (int d = dv; d < D; ++d) acc[0][0] += qm[d] * kr[d];
         }
-        part[BITREV4[r]] = acc;
+        part[BITREV[r]] = HALVES == 1 ? acc[0] : acc[0] + acc[HALVES - 1];
       }
-      const V16 out = lane_sums(part);
-      std::memcpy(s + m * ss + i0, &out, 64);
+      const VF out = lane_sums(part);
+      std::memcpy(s + m * ss + i0, &out, sizeof out);
     }
   }
 }
 
-// acc[m][d0 .. d0 + 16 DV) += sum_i p[m][i] v[i][d0 ..] for MB rows m, accumulators held in registers over the rows;
+// acc[m][d0 .. d0 + VW DV) += sum_i p[m][i] v[i][d0 ..] for MB rows m, accumulators held in registers over the rows;
 // a zero probability adds nothing (a non-finite value behind an underflowed weight stays out, as a masked one does).
 template <int MB, int DV>
 void accumulate(const float* p, int ss, const float* v, int n, int D, int d0, float* acc) {
-  V16 a[MB][DV];  // fully unrolled so that gcc keeps a and x in registers (a rolled loop spilled them to the stack)
+  VF a[MB][DV];  // fully unrolled so that gcc keeps a and x in registers (a rolled loop spilled them to the stack)
 #pragma GCC unroll 4
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 4
-    for (int k = 0; k < DV; ++k) std::memcpy(&a[m][k], acc + m * D + d0 + 16 * k, 64);
+    for (int k = 0; k < DV; ++k) std::memcpy(&a[m][k], acc + m * D + d0 + VW * k, sizeof(VF));
   for (int i = 0; i < n; ++i) {
-    V16 x[DV];
+    VF x[DV];
 #pragma GCC unroll 4
-    for (int k = 0; k < DV; ++k) std::memcpy(&x[k], v + i * D + d0 + 16 * k, 64);
+    for (int k = 0; k < DV; ++k) std::memcpy(&x[k], v + i * D + d0 + VW * k, sizeof(VF));
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) {
       const float pm = p[m * ss + i];
@@ -479,14 +508,16 @@ void accumulate(const float* p, int ss, const float* v, int n, int D, int d0, fl
 #pragma GCC unroll 4
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 4
-    for (int k = 0; k < DV; ++k) std::memcpy(acc + m * D + d0 + 16 * k, &a[m][k], 64);
+    for (int k = 0; k < DV; ++k) std::memcpy(acc + m * D + d0 + VW * k, &a[m][k], sizeof(VF));
 }
 
+// Columns in spans of DV vectors, MB * DV + DV registers within the CPU's 32 (AVX-512) or 16.
 template <int MB>
 void accumulate_rows(const float* p, int ss, const float* v, int n, int D, float* acc) {
+  constexpr int DV = VW == 16 ? 4 : 2;
   int d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) accumulate<MB, 4>(p, ss, v, n, D, d0, acc);
-  for (; d0 + 16 <= D; d0 += 16) accumulate<MB, 1>(p, ss, v, n, D, d0, acc);
+  for (; d0 + DV * VW <= D; d0 += DV * VW) accumulate<MB, DV>(p, ss, v, n, D, d0, acc);
+  for (; d0 + VW <= D; d0 += VW) accumulate<MB, 1>(p, ss, v, n, D, d0, acc);
   for (int m = 0; m < MB; ++m)
     for (int i = 0; i < n; ++i) {
       const float pm = p[m * ss + i];
