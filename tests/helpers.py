@@ -175,6 +175,37 @@ def build_past(preset: Preset | str, k: torch.Tensor, v: torch.Tensor, sink: int
     return KVarNPast(StoredKV.of(st.keys), StoredKV.of(st.values))
 
 
+KERNEL_BITCHECK_PRESETS = [("kvarn-k2v2-g128", 64), ("kvarn-auto-k2v2-g128", 64), ("kvarn-auto-k4v2-g128", 128),
+                           ("kvarn-k4v4-g64", 96), ("rtn-k2v2-g64", 64), ("kvarn-auto-k2v2-g128-qar-clip", 64),
+                           ("hadamard-k4v4-g128", 64)]
+
+
+def kernel_outputs() -> dict[tuple, torch.Tensor]:
+    """`packed_attention` on fixed inputs, for kernel changes meant to keep every bit (scripts/kernel_bitcheck.py,
+    tests/kernels/test_cpu_decode.py): 7 presets (KVarN, kvarn-auto with and without query-aware rounding and
+    clipping, RTN, Hadamard; 2/4-bit, head dims 64/96/128) x float32/bf16/fp16 keys, values and queries x GQA ratios
+    1/3/4, with padding masks. The pasts are stored in the same call (the tile store's kernel too, under the
+    KVARN_KERNEL in force); the global RNG is left as it was."""
+    from kvarn.attention import packed_attention
+
+    outs = {}
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # build_past's cut points
+        for preset, d in KERNEL_BITCHECK_PRESETS:
+            t = 16 + 3 * get_preset(preset).tile + 7
+            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                gen = torch.Generator().manual_seed(0)
+                k, v = make_inputs("heavy", 3, 2, t, d, gen).to(dt), make_inputs("gauss", 3, 2, t, d, gen).to(dt)
+                past = build_past(preset, k, v, sink=16)
+                for groups in (1, 3, 4):
+                    q = make_inputs("heavy", 3, 2 * groups, 1, d, gen).to(dt)
+                    kn, vn = make_inputs("heavy", 3, 2, 1, d, gen).to(dt), make_inputs("gauss", 3, 2, 1, d, gen).to(dt)
+                    outs[(preset, str(dt), groups)] = packed_attention(q, kn, vn, past,
+                                                                       padding_mask([0, 5, 20], 1, t + 1), d ** -0.5,
+                                                                       None)
+    return outs
+
+
 def fresh(gen: torch.Generator, b: int, hq: int, hkv: int, length: int, d: int):
     """Gaussian queries [B, Hq, L, D] and fresh keys and values [B, Hkv, L, D] (drawn in that order)."""
     return (torch.randn(b, hq, length, d, generator=gen), torch.randn(b, hkv, length, d, generator=gen),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -400,3 +401,29 @@ def test_real_kv_decode(seed):
         q = torch.randn(1, 9, 1, 64, generator=gen) * kk.std()
         check_kernel(q, k[layer:layer + 1, :, -1:], v[layer:layer + 1, :, -1:], past,
                      padding_mask([0], 1, kk.shape[2] + 1))
+
+
+@pytest.mark.slow
+def test_both_vector_widths_give_the_same_bits(tmp_path, monkeypatch):
+    """The kernels' loops run in the CPU's vector width (kvarn/kernels/cpu/lanes.h: 16 float lanes with AVX-512, 8
+    without), and sums whose order depends on lanes keep the order of 16. Built again at the other width
+    (-DKVARN_VW: 8 on an AVX-512 CPU, generic 16-lane vectors elsewhere), every output of `kernel_outputs` (decode
+    and tile store, 7 presets x 3 dtypes x 3 GQA ratios) is the same to the bit. Slow: one more build (~2 min)."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    from tests.helpers import kernel_outputs
+
+    mine = build_mod.load()
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((ln for ln in cpuinfo if ln.startswith("flags")), "").split()
+    other = 8 if "avx512f" in flags else 16
+    variant = load_extension(name=f"kvarn_cpu_decode_vw{other}", sources=[str(s) for s in build_mod.SOURCES],
+                             extra_cflags=[*build_mod.FLAGS, f"-DKVARN_VW={other}"], extra_ldflags=["-fopenmp"],
+                             build_directory=str(tmp_path), verbose=False)
+    assert variant is not mine
+    a = kernel_outputs()
+    monkeypatch.setattr(build_mod, "_module", variant)
+    b = kernel_outputs()
+    assert a.keys() == b.keys() and len(a) == 63
+    differ = [key for key in a if not torch.equal(a[key], b[key])]
+    assert not differ, f"{len(differ)} of {len(a)} outputs differ between {other} lanes and this CPU's: {differ[:5]}"

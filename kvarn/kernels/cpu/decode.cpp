@@ -20,6 +20,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
+#include "lanes.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,15 +41,9 @@ struct Vec {
   typedef uint8_t u8 __attribute__((vector_size(W)));
 };
 
-// The CPU's vector width in floats: 16 with AVX-512, else 8. gcc lowers a generic vector wider than the hardware's
-// through the stack (30x slower on an AVX2 CPU), so the loops below work in VW lanes. Where a sum's order depends on
-// the lane count (a row's dot product, the softmax's total) it stays that of 16 lanes, kept in HALVES vectors of VW,
-// so both widths add in one order and give the same bits.
-#if defined(__AVX512F__)
-constexpr int VW = 16;
-#else
-constexpr int VW = 8;
-#endif
+// VW lanes (lanes.h). Where a sum's order depends on the lane count (a row's dot product, the softmax's total) it
+// stays that of 16 lanes, kept in HALVES vectors of VW, so both widths add in one order and give the same bits.
+constexpr int VW = KVARN_VW;
 constexpr int HALVES = 16 / VW;
 using VF = Vec<VW>::f;
 
@@ -419,7 +415,7 @@ using IV = Vec<VW>::i;
 // instead of VW horizontal sums. Lane l of the result holds input slot bitrev(l), so callers put row r in slot
 // BITREV[r]. Each row's lanes are added pairwise at distance VW/2, then VW/4, ... (with 8 lanes, after the caller's
 // step at distance 8: the order of 16 lanes).
-#if defined(__AVX512F__)
+#if KVARN_VW == 16
 constexpr int BITREV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 constexpr int LEVELS = 4;
 static const IV SHUF_LO[LEVELS] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},

@@ -17,6 +17,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
+
+#include "lanes.h"
 #if defined(__AVX512F__) && __has_include(<sleef.h>)  // torch ships Sleef (its vectorized exp/log)
 #include <sleef.h>
 #define KVARN_SLEEF 1
@@ -336,11 +338,7 @@ void row_codes(const float* row, int n, float lo, float delta, float top, uint8_
 // row j to the nearest level of its target u_j + sum_{r<j} m_rj e_r, e_r = u_r - q_r, m_rj = C_rj a_r / a_j (coef
 // [R][R] = C, w.step = a). The sum is taken left-looking, r ascending, a product then a sum each (torch's order: its
 // push after row r adds to every later row), over a block of columns held in registers; a zero m_rj is skipped.
-#if defined(__AVX512F__)
-constexpr int QA_LANES = 16;
-#else
-constexpr int QA_LANES = 8;  // gcc lowers a generic vector wider than the CPU's through the stack
-#endif
+constexpr int QA_LANES = KVARN_VW;  // lanes.h (each column's sum is the same at any width)
 typedef float QaVec __attribute__((vector_size(4 * QA_LANES)));
 
 inline QaVec qa_load(const float* p) {
