@@ -429,8 +429,10 @@ static const IV SHUF_HI[LEVELS] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27
 #else
 constexpr int BITREV[8] = {0, 4, 2, 6, 1, 5, 3, 7};
 constexpr int LEVELS = 3;
-static const IV SHUF_LO[LEVELS] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 8, 2, 10, 4, 12, 6, 14}};
-static const IV SHUF_HI[LEVELS] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {1, 9, 3, 11, 5, 13, 7, 15}};
+static const IV SHUF_LO[LEVELS] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13},
+                                   {0, 8, 2, 10, 4, 12, 6, 14}};
+static const IV SHUF_HI[LEVELS] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15},
+                                   {1, 9, 3, 11, 5, 13, 7, 15}};
 #endif
 
 inline VF lane_sums(VF* x) {

@@ -150,6 +150,16 @@ Work& work_for(const Config& c) {
 
 double std_of(double s, double ss, int n) { return std::sqrt(std::max((ss - s * s / n) / (n - 1), 0.0)); }
 
+#if !defined(__AVX512F__) && defined(__AVX2__)
+// The sum of 8 doubles, lanes 0-3 in lo and 4-7 in hi, in _mm512_reduce_add_pd's order (gcc's avxintrin: the upper
+// half plus the lower, then the upper pair plus the lower, then the two)
+inline double reduce_add8(__m256d lo, __m256d hi) {
+  const __m256d t3 = _mm256_add_pd(hi, lo);
+  const __m128d t6 = _mm_add_pd(_mm256_extractf128_pd(t3, 1), _mm256_castpd256_pd128(t3));
+  return t6[0] + t6[1];
+}
+#endif
+
 // w.zsd[r] = std over j of x[r][j] * iec[j], in double
 void row_stds(const Config& c, const float* X, Work& w) {
   const int R = c.R, C = c.C;
@@ -175,6 +185,22 @@ void row_stds(const Config& c, const float* X, Work& w) {
     }
     s = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
     ss = _mm512_reduce_add_pd(_mm512_add_pd(q0, q1));
+#elif defined(__AVX2__) && defined(__FMA__)  // AVX-512's lanes in halves of 4, its sums in its order
+    const __m256d vk = _mm256_set1_pd(k);
+    __m256d s0[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()}, s1[2] = {s0[0], s0[0]}, q0[2] = {s0[0], s0[0]},
+            q1[2] = {s0[0], s0[0]};
+    for (; j + 16 <= C; j += 16)
+      for (int h = 0; h < 2; ++h) {
+        const int a = j + 4 * h, b = a + 8;  // AVX-512's lanes a.. of x0 and x1
+        const __m256d d0 = _mm256_fmsub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + a)), _mm256_loadu_pd(iec + a), vk);
+        const __m256d d1 = _mm256_fmsub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + b)), _mm256_loadu_pd(iec + b), vk);
+        s0[h] = _mm256_add_pd(s0[h], d0);
+        s1[h] = _mm256_add_pd(s1[h], d1);
+        q0[h] = _mm256_fmadd_pd(d0, d0, q0[h]);
+        q1[h] = _mm256_fmadd_pd(d1, d1, q1[h]);
+      }
+    s = reduce_add8(_mm256_add_pd(s0[0], s1[0]), _mm256_add_pd(s0[1], s1[1]));
+    ss = reduce_add8(_mm256_add_pd(q0[0], q1[0]), _mm256_add_pd(q0[1], q1[1]));
 #endif
     for (; j < C; ++j) {
       const double d = std::fma(static_cast<double>(x[j]), iec[j], -k);
@@ -225,8 +251,35 @@ void stats(const Config& c, const float* X, Work& w) {
     _mm512_store_pd(sq + 8, _mm512_add_pd(q[1], q[3]));
     for (int j = 0; j < 16; ++j) w.sc[j0 + j] = static_cast<float>(std_of(st[j], sq[j], R) * w.iec[j0 + j]);
   }
+#elif defined(__AVX2__) && defined(__FMA__)  // the same per column, 4 columns a vector, 8 at a time
+  for (; j0 + 16 <= C; j0 += 16)
+    for (int c0 = j0; c0 < j0 + 16; c0 += 8) {
+      const __m256d i0 = _mm256_set1_pd(ier[0]);
+      const __m256d h0 = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(X + c0)), i0);
+      const __m256d h1 = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(X + c0 + 4)), i0);
+      __m256d s[4], q[4];
+      for (int a = 0; a < 4; ++a) s[a] = q[a] = _mm256_setzero_pd();
+      auto add = [&](int r, int a) {
+        const __m256d ir = _mm256_set1_pd(ier[r]);
+        const __m256d d0 = _mm256_fmsub_pd(_mm256_cvtps_pd(_mm_loadu_ps(X + r * C + c0)), ir, h0);
+        const __m256d d1 = _mm256_fmsub_pd(_mm256_cvtps_pd(_mm_loadu_ps(X + r * C + c0 + 4)), ir, h1);
+        s[a] = _mm256_add_pd(s[a], d0);
+        s[a + 1] = _mm256_add_pd(s[a + 1], d1);
+        q[a] = _mm256_fmadd_pd(d0, d0, q[a]);
+        q[a + 1] = _mm256_fmadd_pd(d1, d1, q[a + 1]);
+      };
+      int r = 0;
+      for (; r + 2 <= R; r += 2) add(r, 0), add(r + 1, 2);
+      if (r < R) add(r, 0);
+      alignas(32) double st[8], sq[8];
+      _mm256_store_pd(st, _mm256_add_pd(s[0], s[2]));
+      _mm256_store_pd(st + 4, _mm256_add_pd(s[1], s[3]));
+      _mm256_store_pd(sq, _mm256_add_pd(q[0], q[2]));
+      _mm256_store_pd(sq + 4, _mm256_add_pd(q[1], q[3]));
+      for (int j = 0; j < 8; ++j) w.sc[c0 + j] = static_cast<float>(std_of(st[j], sq[j], R) * w.iec[c0 + j]);
+    }
 #endif
-  for (int j = j0; j < C; ++j) {  // the columns left over (C not a multiple of 16, or no AVX-512)
+  for (int j = j0; j < C; ++j) {  // the columns left over (C not a multiple of 16, or neither AVX-512 nor AVX2)
     const double h = X[j] * ier[0];
     double s = 0.0, ss = 0.0;
     for (int r = 0; r < R; ++r) {
