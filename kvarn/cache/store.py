@@ -285,6 +285,10 @@ class TensorStore:
                              "its quantizer before the first tile")
         if self.flush % quantizer.tile:
             raise ValueError(f"flush unit {self.flush} is not a multiple of the quantizer tile {quantizer.tile}")
+        if type(query_statistics(quantizer)) is not type(query_statistics(self.quantizer)):
+            raise ValueError(f"{quantizer.describe()} takes other running query statistics than "
+                             f"{self.quantizer.describe()}, which this store keeps; swap in a quantizer of the same "
+                             "kind (query-aware rounding, a query-weighted rotation choice, or neither)")
         self.quantizer = quantizer
 
     def flush_pending(self) -> None:

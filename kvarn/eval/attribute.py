@@ -3,8 +3,9 @@ part of the cache given more bits at a time (issue 20, item 1).
 
 Variants, each on the same samples and under the serving protocol (`kvarn eval tasks`): `full` (DynamicCache), `base`
 (the preset), `keys`/`values` (every quantized layer's keys or values with `--high`'s quantizer), `keys@L`/`values@L`
-(layer L only), and the `--compare` presets whole (`preset:NAME`; budget presets record their online layer scores
-and the layers they promoted, `kvarn.cache.allocation`, so the score can be set beside the swaps). A variant's
+(layer L only), `exact:PART:WHICH` (the preset with chosen rows read exact: by token or KV head,
+`kvarn.eval.exact_rows`), and the `--compare` presets whole (`preset:NAME`; budget presets record their online layer
+scores and the layers they promoted, `kvarn.cache.allocation`, so the score can be set beside the swaps). A variant's
 recovery is its gold log-probability minus the base's on the same sample; its share of the gap is that over
 (full - base).
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from kvarn.eval import exact_rows
 from kvarn.eval.options import positive_int, result_header, setup
 from kvarn.eval.results import publish
 
@@ -44,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default="keys", help="per-layer swaps: keys, values or keys,values (default: keys)")
     parser.add_argument("--whole", default="keys,values",
                         help="whole-cache swaps: every layer's keys and/or values at once (default: keys,values)")
+    parser.add_argument("--exact", default="",
+                        help="exact-row mixes, comma-separated PART:WHICH (kvarn.eval.exact_rows: e.g. "
+                             "keys:none,keys:gold-line,keys:other-line,keys:head0,keys:top-err1; default: none)")
     parser.add_argument("--chunk", type=positive_int, default=128, help="serving prefill chunk (default: 128)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated data (default: 0)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
@@ -58,14 +63,15 @@ def indices(text: str) -> list[int]:
     return out
 
 
-def variants(quantized: list[int], parts: list[str], compare: list[str], whole: list[str] | None = None) -> list[str]:
+def variants(quantized: list[int], parts: list[str], compare: list[str], whole: list[str] | None = None,
+             exact: list[str] | None = None) -> list[str]:
     return ["full", "base", *(f"preset:{c}" for c in compare), *(parts if whole is None else whole),
-            *(f"{p}@{i}" for p in parts for i in quantized)]
+            *(f"exact:{e}" for e in exact or ()), *(f"{p}@{i}" for p in parts for i in quantized)]
 
 
 def promote(cache, variant: str, high: tuple) -> None:
     """Give `variant`'s part of a fresh KVarNCache the high quantizers (before any token is cached)."""
-    if variant in ("full", "base") or variant.startswith("preset:"):
+    if variant in ("full", "base") or variant.startswith(("preset:", "exact:")):
         return
     part, _, layer = variant.partition("@")
     hk, hv = high
@@ -93,14 +99,18 @@ def summarize(records: list[dict], quantized: list[int], parts: list[str]) -> di
         by.setdefault(r["variant"], {})[r["index"]] = r["gold_logprob"]
     idx = sorted(set(by.get("base", {})) & set(by.get("full", {})))
     gap = [by["full"][i] - by["base"][i] for i in idx]
+    # exact-row mixes read through the reference path: their recovery is against its own control when it ran
+    control = next((c for c in ("exact:keys:none", "exact:kv:none") if c in by), None)
     rows = []
     for v, got in by.items():
-        common = [i for i in idx if i in got]
-        rec = [got[i] - by["base"][i] for i in common]
+        ref = by[control] if control and v.startswith("exact:") else by["base"]
+        common = [i for i in idx if i in got and i in ref]
+        rec = [got[i] - ref[i] for i in common]
         mean = sum(rec) / len(rec) if rec else math.nan
-        g = sum(gap[idx.index(i)] for i in common)
+        g = sum(by["full"][i] - ref[i] for i in common)
         rows.append({"variant": v, "samples": len(common), "mean_gold_logprob": sum(got[i] for i in common) /
-                     max(len(common), 1), "recovered": mean, "share_of_gap": sum(rec) / g if g else math.nan})
+                     max(len(common), 1), "recovered": mean, "share_of_gap": sum(rec) / g if g else math.nan,
+                     "against": control if ref is not by["base"] else "base"})
     layer_rows = {p: [next((r for r in rows if r["variant"] == f"{p}@{i}"), None) for i in quantized] for p in parts}
     return {"rows": rows, "gap": sum(gap) / len(gap) if gap else math.nan, "samples": idx,
             "per_layer": {p: [None if r is None else r["recovered"] for r in rs] for p, rs in layer_rows.items()},
@@ -111,11 +121,12 @@ def markdown(result: dict) -> str:
     lines = [f"# attribute: {result['preset']} on {result['task']} at {result['length']} tokens "
              f"(samples {result['summary']['samples']})", "",
              f"gap full - base: {result['summary']['gap']:.3f} nats (gold answer, summed over its tokens)", "",
-             "| variant | samples | mean gold log-prob | recovered vs base | share of gap |", "|---|---|---|---|---|"]
+             "| variant | samples | mean gold log-prob | recovered | against | share of gap |",
+             "|---|---|---|---|---|---|"]
     for r in sorted(result["summary"]["rows"], key=lambda r: -r["recovered"] if r["recovered"] == r["recovered"]
                     else 0):
         lines.append(f"| {r['variant']} | {r['samples']} | {r['mean_gold_logprob']:.3f} | {r['recovered']:+.3f} | "
-                     f"{r['share_of_gap']:.2f} |")
+                     f"{r.get('against', 'base')} | {r['share_of_gap']:.2f} |")
     if result.get("scores"):
         lines += ["", f"online layer scores of {result['compare'][0]} (kvarn.cache.allocation; mean over samples):", "",
                   " ".join(f"L{i}:{s:.3g}" for i, s in zip(result["summary"]["layers"], result["scores"])), "",
@@ -133,6 +144,19 @@ def plot(result: dict, path: Path) -> Path:
     s = result["summary"]
     fig, ax = plt.subplots(figsize=(8, 3.2))
     parts = list(s["per_layer"])
+    if not parts:  # whole-cache swaps and exact-row mixes only: one bar a variant
+        rows = sorted((r for r in s["rows"] if r["variant"] != r.get("against", "base")), key=lambda r: -r["recovered"])
+        ax.barh([f"{r['variant']} (vs {r.get('against', 'base')})" for r in rows], [r["recovered"] for r in rows],
+                color=["tab:orange" if r["variant"].startswith("exact:") else "tab:blue" for r in rows])
+        ax.axvline(0.0, color="k", lw=0.6)
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_xlabel(f"gold log-prob recovered, {result['preset']} (nats, mean of {len(s['samples'])} samples)")
+        ax.set_title(f"{result['task']} at {result['length']} tokens, {result['model']}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
     w = 0.8 / max(len(parts), 1)
     for j, p in enumerate(parts):
         ax.bar([i + j * w for i in range(len(s["layers"]))], [x or 0.0 for x in s["per_layer"][p]], w,
@@ -153,6 +177,7 @@ def plot(result: dict, path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvarn.eval.lines import prompt_text
     from kvarn.eval.progress import progress
     from kvarn.eval.tasks import ruler
     from kvarn.eval.tasks.base import encode, encode_gold
@@ -170,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--parts and --whole name keys and/or values, got {args.parts!r} and {args.whole!r}")
     if args.task not in ruler.TASKS:
         raise ValueError(f"--task must be a RULER task ({', '.join(ruler.TASKS)}), got {args.task!r}")
+    exact = [e.strip() for e in args.exact.split(",") if e.strip()]
+    for e in exact:
+        exact_rows.parse(e)
     get_preset(preset)
     model, tok = load_model(args.model)
     high = get_preset(args.high).quantizers(config_head_dim(text_config(model.config)))
@@ -179,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     compare = [c.strip() for c in args.compare.split(",") if c.strip()]
     for c in compare:
         get_preset(c)
-    names = variants(quantized, parts, compare, whole)
+    names = variants(quantized, parts, compare, whole, exact)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "attribute.jsonl"
@@ -200,11 +228,18 @@ def run(args: argparse.Namespace) -> int:
         for i, v in progress(todo, desc="attribute", unit="run"):
             if i not in samples:
                 s = ruler.fit(args.task, args.length, args.seed, i, count, haystack)
-                samples[i] = (encode(tok, s), encode_gold(tok, s))
-            ids, gold = samples[i]
-            method = "dynamic" if v == "full" else v.removeprefix("preset:") if v.startswith("preset:") else preset
-            cache = new_cache(model, method)
-            promote(cache, v, high)
+                samples[i] = (encode(tok, s), encode_gold(tok, s), s)
+            ids, gold, s = samples[i]
+            if v.startswith("exact:"):
+                part, which = exact_rows.parse(v.removeprefix("exact:"))
+                lines = exact_rows.needle_lines(tok, prompt_text(tok, s.prompt), ids, s.refs[0]) \
+                    if which.endswith("-line") and len(s.refs) == 1 else None
+                cache = KVarNCache(model.config, preset, attention="reference")
+                exact_rows.mix_exact(cache, part, exact_rows.selector(which, lines, cache.preset.policy.tile))
+            else:
+                method = "dynamic" if v == "full" else v.removeprefix("preset:") if v.startswith("preset:") else preset
+                cache = new_cache(model, method)
+                promote(cache, v, high)
             lp = gold_under(model, ids, gold, cache, args.chunk)
             rec = {"setting": setting, "index": i, "variant": v, "gold_logprob": lp, "gold_tokens": int(gold.numel())}
             budget = cache.allocation()["budget"] if hasattr(cache, "allocation") else None

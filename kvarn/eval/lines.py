@@ -62,11 +62,18 @@ def make_query(n_lines: int, seed: int, index: int) -> tuple[str, str]:
     return INTRO + body + question, codes[asked]
 
 
-def encode_prompt(tok, text: str) -> torch.Tensor:
-    """[1, P] ids: the chat template (user turn, generation prompt) when the tokenizer has one, else the text."""
+def prompt_text(tok, text: str) -> str:
+    """The text `encode_prompt` tokenizes: the chat template (user turn, generation prompt) when the tokenizer has one,
+    else the text."""
     if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        return tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return text
+
+
+def encode_prompt(tok, text: str) -> torch.Tensor:
+    """[1, P] ids of `prompt_text` (special tokens come from the template, if any)."""
+    if getattr(tok, "chat_template", None):
+        return tok(prompt_text(tok, text), return_tensors="pt", add_special_tokens=False).input_ids
     return tok(text, return_tensors="pt").input_ids
 
 

@@ -11,8 +11,11 @@ and what the cache held at the end.
 
 Methods: "dynamic" (transformers' `DynamicCache`, full precision), a kvarn preset name (`kvarn.preset_names()`,
 `KVarNCache` as a user builds it) or transformers' `QuantizedCache` anchors "quanto-2bit" / "hqq-2bit" (as
-`kvarn bench e2e` builds them: 2 bits, transformers' defaults otherwise, group 64, residual 128). Every sample gets a
-fresh cache.
+`kvarn bench e2e` builds them: 2 bits, transformers' defaults otherwise, group 64, residual 128). "PRESET+exact:SPEC"
+is an oracle for a lever not built yet: the preset on the reference read path with the rows SPEC picks read exact
+(`kvarn.eval.exact_rows`; per-tile or per-head specs only). Its reads are what a store keeping those rows exact would
+give; its reported bytes are the preset's (the exact copies it reads are held beside the store, not counted). Every
+sample gets a fresh cache.
 
 The gold answer's log-probability is teacher-forced on a copy of the prefilled cache (the same quantized past the
 greedy answer reads), its tokens fed in chunks as well; the greedy answer then continues from the original cache.
@@ -27,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 
+from kvarn.eval import exact_rows
 from kvarn.eval.forward import reference_cache
 from kvarn.integrations.serving import forward_logprobs, greedy, prefill
 from kvarn.integrations.transformers import cache_kwarg
@@ -63,6 +67,11 @@ def check_methods(names: list[str]) -> list[str]:
             module = ANCHORS[n][1]
             if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
                 raise ValueError(f"{n} needs {module}, which is not installed (pip install 'kvarn[bench]')")
+        elif "+exact:" in n:
+            base, spec = exact_spec(n)
+            get_preset(base)
+            if spec[1].endswith("-line"):
+                raise ValueError(f"{n}: line specs need the sample's gold line; `kvarn eval attribute` takes them")
         elif n != FULL_PRECISION:
             get_preset(n)  # a clear error naming the presets
     return names
@@ -78,7 +87,18 @@ def new_cache(model, method: str, sink: int | None = None):
         return QuantizedCache(ANCHORS[method][0], model.config, nbits=2)
     from kvarn.integrations.transformers import KVarNCache
 
+    if "+exact:" in method:
+        base, (part, which) = exact_spec(method)
+        cache = KVarNCache(model.config, base, sink=sink, attention="reference")
+        exact_rows.mix_exact(cache, part, exact_rows.selector(which, None, cache.preset.policy.tile))
+        return cache
     return KVarNCache(model.config, method, sink=sink)
+
+
+def exact_spec(method: str) -> tuple[str, tuple[str, str]]:
+    """"PRESET+exact:PART:WHICH" -> (PRESET, (PART, WHICH))."""
+    base, _, spec = method.partition("+exact:")
+    return base, exact_rows.parse(spec)
 
 
 def cache_held(cache) -> dict[str, Any]:

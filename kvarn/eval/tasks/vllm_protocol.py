@@ -38,7 +38,7 @@ def engine_kwargs(model_path: str, method: str, *, chunk: int, max_len: int, seq
                   sink: int | None, kv_bytes: int) -> dict[str, Any]:
     """The LLM(...) arguments of one method's engine; kv_bytes: the KV budget (`kv_budget`), the same for every
     method, so that no engine preempts."""
-    if method in ANCHORS:
+    if method in ANCHORS or "+exact:" in method:
         raise ValueError(f"method {method!r} is a transformers cache; the vllm protocol runs 'dynamic' (stock vLLM) "
                          "and kvarn presets")
     llm: dict[str, Any] = {"model": model_path, "dtype": dtype, "max_model_len": max_len, "max_num_seqs": seqs,

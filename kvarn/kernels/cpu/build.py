@@ -1,11 +1,14 @@
-"""Building and loading the C++/OpenMP extension (torch.utils.cpp_extension, compiled once per machine and torch).
+"""Building and loading the C++/OpenMP extension (torch.utils.cpp_extension, compiled once per machine, torch and
+Python environment).
 
 One module holds both kernels: decode attention (decode.cpp) and the tile store (store.cpp); module.cpp binds them.
 Both obey KVARN_KERNEL (`kvarn.ops.dispatch`): auto (the kernel where it applies), torch (the PyTorch reference
 everywhere), cpu (the kernel or an error naming why not).
 
 The build goes to `$KVARN_CACHE/torch_extensions/<machine tag>` (~/.cache/kvarn by default) with -O3 -march=native:
-the tag hashes the CPU's flags, so a cache shared between machines never runs code built for another CPU. Needs a C++
+the tag hashes the CPU's flags, so a cache shared between machines never runs code built for another CPU, and the
+environment's prefix: two venvs' builds name different torch include folders, and one build folder shared by both
+would be rebuilt each time the other venv loads it. Needs a C++
 compiler and ninja (a dependency of kvarn). When the build fails, `load()` returns None and warns once, saying why.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import platform
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -38,7 +42,7 @@ def _machine_tag() -> str:
                 break
     except OSError:
         pass
-    digest = hashlib.sha1(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:12]
+    digest = hashlib.sha1(f"{platform.machine()} {flags} {torch.__version__} {sys.prefix}".encode()).hexdigest()[:12]
     return f"{platform.machine()}-{digest}"
 
 

@@ -1,0 +1,131 @@
+"""Oracle mixes for `kvarn eval attribute`: a KVarNCache on the reference read path whose reads take chosen rows of
+the quantized region exact (issue 20, item 1: the loss by token and by KV head).
+
+A spec is `PART:WHICH`, PART `keys` or `kv` (keys and values), WHICH one of:
+  none          nothing exact (a control: equals the preset on the reference path)
+  gold-line     the tokens of the context line that holds the gold answer (needle tasks)
+  other-line    a line as long, ten lines away (a control for gold-line)
+  head<h>       KV head h, every token
+  top-err<r>    in every 128-token tile, per KV head, the r rows with the largest squared quantization error
+  top-norm<r>   the same with the largest exact row norm (massive-activation tokens)
+The per-tile choices see only the tile itself: a store could make them when the tile is quantized (what keeping r
+rows exact would cost: r x 16 bits per head_dim elements, plus an index, per 128-token tile).
+
+The exact rows are the ones the store was handed (its frame: post-RoPE unless the preset stores keys pre-RoPE), kept
+beside the store; a read replaces the selected rows of `LayerStore.full()` with them. Only rows in [tiles_start,
+tail_start) are selected: the sink and the tail are exact already.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+PARTS = ("keys", "kv")
+WHICH = re.compile(r"^(none|gold-line|other-line|head(\d+)|top-(err|norm)(\d+))$")
+# (exact, decoded, tiles_start, tail_start) [B, H, T, D] -> bool [B, H, T]
+Selector = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+
+
+def parse(spec: str) -> tuple[str, str]:
+    part, _, which = spec.partition(":")
+    if part not in PARTS or not WHICH.match(which):
+        raise ValueError(f"exact-row spec {spec!r}: expected PART:WHICH with PART in {PARTS} and WHICH one of none, "
+                         "gold-line, other-line, head<h>, top-err<r>, top-norm<r>")
+    return part, which
+
+
+def selector(which: str, lines: dict[str, list[int]] | None, tile: int) -> Selector:
+    """The mask of rows to read exact; `lines` maps gold-line/other-line to token positions."""
+    m = WHICH.match(which)
+    if m is None:
+        raise ValueError(f"exact-row selection {which!r}: expected none, gold-line, other-line, head<h>, top-err<r> or "
+                         "top-norm<r>")
+
+    def select(ex: torch.Tensor, dec: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        mask = torch.zeros(ex.shape[:3], dtype=torch.bool, device=ex.device)
+        inner = mask[:, :, lo:hi]  # a view: writes land in mask
+        if which == "none" or hi <= lo:
+            return mask
+        if which in ("gold-line", "other-line"):
+            if lines is None or which not in lines:
+                raise ValueError(f"{which} needs a needle task whose gold answer sits on one context line")
+            pos = torch.tensor([p for p in lines[which] if lo <= p < hi], dtype=torch.long)
+            mask[:, :, pos] = True
+            return mask
+        if m.group(2) is not None:
+            h = int(m.group(2))
+            if h >= ex.shape[1]:
+                raise ValueError(f"head{h}: the model has {ex.shape[1]} KV heads")
+            inner[:, h] = True
+            return mask
+        r = int(m.group(4))
+        seg = slice(lo, hi)
+        score = ((dec[:, :, seg] - ex[:, :, seg]).float() ** 2).sum(-1) if m.group(3) == "err" else \
+            ex[:, :, seg].float().norm(dim=-1)  # [B, H, hi - lo]
+        b, h, n = score.shape
+        tiles = score.view(b, h, n // tile, tile)  # the region is whole tiles
+        top = tiles.topk(min(r, tile), dim=-1).indices
+        inner.view(b, h, n // tile, tile).scatter_(-1, top, True)
+        return mask
+
+    return select
+
+
+def mix_exact(cache, part: str, select: Selector) -> None:
+    """Make every quantized KVarNLayer of `cache` (attention="reference", nothing cached yet) read the rows `select`
+    picks exact: keys, or keys and values (`part` "kv")."""
+    if getattr(cache, "attention", None) != "reference":
+        raise ValueError("exact-row mixes patch the reference read path: build the KVarNCache with "
+                         "attention='reference'")
+    for layer in cache.layers:
+        store = getattr(layer, "store", None)
+        if store is not None and store.keys.quantizer is not None:
+            _ExactReads(layer, part, select)
+
+
+class _ExactReads:
+    """The patch of one layer. Bound methods, not closures: `copy.deepcopy(cache)` (the gold answer's copy) copies
+    them with their layer, store and kept rows, so the copy's reads and appends never reach the original's."""
+
+    def __init__(self, layer, part: str, select: Selector) -> None:
+        self.part, self.select = part, select
+        self.kept: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self.append, self.full, self.store = layer._append, layer.store.full, layer.store
+        layer._append, layer.store.full = self._append, self._full
+
+    def _append(self, k, v, positions, pad) -> None:
+        self.kept[0].append(k.detach().clone())
+        self.kept[1].append(v.detach().clone())
+        self.append(k, v, positions, pad)
+
+    def _full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = list(self.full())
+        for j, ts in enumerate((self.store.keys, self.store.values)[:2 if self.part == "kv" else 1]):
+            ex = torch.cat(self.kept[j], dim=2).to(out[j].dtype)
+            mask = self.select(ex, out[j], ts.tiles_start, ts.tail_start)
+            out[j] = torch.where(mask[..., None], ex, out[j])
+        return out[0], out[1]
+
+
+def needle_lines(tok, prompt_text: str, ids: torch.Tensor, gold_ref: str, away: int = 10) -> dict[str, list[int]]:
+    """Token positions (in `ids`, whose start is `prompt_text` tokenized) of the context line holding `gold_ref`
+    and of the line `away` lines after it (before it near the end)."""
+    enc = tok(prompt_text, add_special_tokens=False, return_offsets_mapping=True)
+    n = len(enc["input_ids"])
+    if ids[0, :n].tolist() != enc["input_ids"]:
+        raise ValueError("the prompt's tokens differ from its text tokenized with offsets; cannot place its lines")
+    at = prompt_text.find(f" {gold_ref}.")
+    if at < 0 or prompt_text.find(f" {gold_ref}.", at + 1) >= 0:
+        raise ValueError(f"the gold answer {gold_ref!r} is not on exactly one line of the prompt")
+    starts = [0] + [i + 1 for i, c in enumerate(prompt_text) if c == "\n"]
+    line = max(i for i, s in enumerate(starts) if s <= at)
+    other = line + away if line + away < len(starts) - 1 else line - away
+
+    def tokens(i: int) -> list[int]:
+        lo, hi = starts[i], (starts[i + 1] - 1 if i + 1 < len(starts) else len(prompt_text))
+        return [t for t, (a, b) in enumerate(enc["offset_mapping"]) if a < hi and b > lo]
+
+    return {"gold-line": tokens(line), "other-line": tokens(other)}
