@@ -41,7 +41,7 @@ def test_specs_are_checked():
 
 def test_none_reads_the_preset_and_every_head_reads_exact(seed):
     gen = torch.Generator().manual_seed(seed)
-    plain, k, v = filled(None, gen)
+    plain, k, _ = filled(None, gen)
     gen.manual_seed(seed)
     none, _, _ = filled("kv:none", gen)
     assert all(torch.equal(a, b) for a, b in zip(plain.layers[0].store.full(), none.layers[0].store.full()))
@@ -121,7 +121,7 @@ def test_a_deep_copy_reads_and_appends_apart(seed):
     import copy
 
     gen = torch.Generator().manual_seed(seed)
-    c, k, v = filled("keys:top-err1", gen)
+    c, _, _ = filled("keys:top-err1", gen)
     before = [x.clone() for x in c.layers[0].store.full()]
     twin = copy.deepcopy(c)
     twin.layers[0].update(torch.randn(1, 2, 200, 64, generator=gen), torch.randn(1, 2, 200, 64, generator=gen))
