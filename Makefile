@@ -37,12 +37,9 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-main setup-and-install-check
 	$(MAKE) --no-print-directory test-vllm
 
-# The main suite in TEST_WORKERS processes (pytest-xdist, whole files per worker so module fixtures load once); each
-# runs torch on one thread (tests/conftest.py). pytest exits 5 when it collected no test: a suite that ran nothing must
-# not pass, so say why and fail.
-TEST_WORKERS ?= 2
+# pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
 test-main: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile || { rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
+	$(PY) -m pytest -q || { rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
 
 # The vLLM venv's C++ kernels are built here, beside the main suite, not by the first vLLM test after it (each venv
 # has its own build folder: kvarn.kernels.cpu.build); a failed build only warns, as it does in the tests.
