@@ -6,8 +6,8 @@ Variants, each on the same samples and under the serving protocol (`kvarn eval t
 (layer L only), `exact:PART:WHICH` (the preset with chosen rows read exact: by token or KV head,
 `kvarn.eval.exact_rows`), and the `--compare` presets whole (`preset:NAME`; budget presets record their online layer
 scores and the layers they promoted, `kvarn.cache.allocation`, so the score can be set beside the swaps). A variant's
-recovery is its gold log-probability minus the base's on the same sample; its share of the gap is that over
-(full - base).
+recovery is its gold log-probability minus the base's on the same sample (an `exact:` variant's: minus the
+reference-path control `exact:keys:none`, when it ran); its share of the gap is that over (full - that).
 
 Results are appended per (sample, variant) to OUT/attribute.jsonl (a rerun skips what is done); OUT/attribute.json
 holds the table and OUT/attribute.png the per-layer recoveries.
@@ -231,11 +231,10 @@ def run(args: argparse.Namespace) -> int:
                 samples[i] = (encode(tok, s), encode_gold(tok, s), s)
             ids, gold, s = samples[i]
             if v.startswith("exact:"):
-                part, which = exact_rows.parse(v.removeprefix("exact:"))
+                spec = v.removeprefix("exact:")
                 lines = exact_rows.needle_lines(tok, prompt_text(tok, s.prompt), ids, s.refs[0]) \
-                    if which.endswith("-line") and len(s.refs) == 1 else None
-                cache = KVarNCache(model.config, preset, attention="reference")
-                exact_rows.mix_exact(cache, part, exact_rows.selector(which, lines, cache.preset.policy.tile))
+                    if spec.endswith("-line") and len(s.refs) == 1 else None
+                cache = exact_rows.exact_cache(model.config, preset, spec, lines)
             else:
                 method = "dynamic" if v == "full" else v.removeprefix("preset:") if v.startswith("preset:") else preset
                 cache = new_cache(model, method)

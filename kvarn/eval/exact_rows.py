@@ -74,6 +74,17 @@ def selector(which: str, lines: dict[str, list[int]] | None, tile: int) -> Selec
     return select
 
 
+def exact_cache(config, preset: str, spec: str, lines: dict[str, list[int]] | None = None, sink: int | None = None):
+    """A fresh KVarNCache of `preset` on the reference read path that reads the rows `spec` (PART:WHICH) picks
+    exact; `lines` as `selector` takes them."""
+    from kvarn.integrations.transformers import KVarNCache
+
+    part, which = parse(spec)
+    cache = KVarNCache(config, preset, sink=sink, attention="reference")
+    mix_exact(cache, part, selector(which, lines, cache.preset.policy.tile))
+    return cache
+
+
 def mix_exact(cache, part: str, select: Selector) -> None:
     """Make every quantized KVarNLayer of `cache` (attention="reference", nothing cached yet) read the rows `select`
     picks exact: keys, or keys and values (`part` "kv")."""

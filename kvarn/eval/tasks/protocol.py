@@ -68,9 +68,9 @@ def check_methods(names: list[str]) -> list[str]:
             if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
                 raise ValueError(f"{n} needs {module}, which is not installed (pip install 'kvarn[bench]')")
         elif "+exact:" in n:
-            base, spec = exact_spec(n)
+            base, _, spec = n.partition("+exact:")
             get_preset(base)
-            if spec[1].endswith("-line"):
+            if exact_rows.parse(spec)[1].endswith("-line"):
                 raise ValueError(f"{n}: line specs need the sample's gold line; `kvarn eval attribute` takes them")
         elif n != FULL_PRECISION:
             get_preset(n)  # a clear error naming the presets
@@ -88,17 +88,9 @@ def new_cache(model, method: str, sink: int | None = None):
     from kvarn.integrations.transformers import KVarNCache
 
     if "+exact:" in method:
-        base, (part, which) = exact_spec(method)
-        cache = KVarNCache(model.config, base, sink=sink, attention="reference")
-        exact_rows.mix_exact(cache, part, exact_rows.selector(which, None, cache.preset.policy.tile))
-        return cache
+        base, _, spec = method.partition("+exact:")
+        return exact_rows.exact_cache(model.config, base, spec, sink=sink)
     return KVarNCache(model.config, method, sink=sink)
-
-
-def exact_spec(method: str) -> tuple[str, tuple[str, str]]:
-    """"PRESET+exact:PART:WHICH" -> (PRESET, (PART, WHICH))."""
-    base, _, spec = method.partition("+exact:")
-    return base, exact_rows.parse(spec)
 
 
 def cache_held(cache) -> dict[str, Any]:
