@@ -72,7 +72,7 @@ def run_engine(method: str, llm: dict[str, Any], requests: list[dict[str, Any]],
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"llm": llm, "requests": requests, "eos": eos}))
         proc = subprocess.run([sys.executable, "-m", "kvarn.eval.tasks.vllm_worker", str(job), str(out)],
-                              env=cpu_engine_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+                              env=cpu_engine_env(in_process=True), capture_output=True, text=True, timeout=TIMEOUT_S)
         answers = json.loads(out.read_text())["answers"] if proc.returncode == 0 else None
     log = proc.stdout + proc.stderr
     if answers is None:

@@ -1,5 +1,6 @@
-"""One vLLM engine of the `vllm` protocol of `kvarn eval tasks`, in its own process (vLLM starts its engine with
-"spawn", and each method must resolve its attention backend afresh; as `kvarn.bench.vllm_run`).
+"""One vLLM engine of the `vllm` protocol of `kvarn eval tasks`, in its own process (each method must resolve its
+attention backend afresh; as `kvarn.bench.vllm_run`); the engine core runs in this process too
+(`cpu_engine_env(in_process=True)`: no second interpreter to start).
 
     python -m kvarn.eval.tasks.vllm_worker JOB.json OUT.json
 JOB: {"llm": LLM kwargs, "requests": [{"prompt": [ids], "max_tokens": n, "stop": [str], "gold": [ids] | null}],

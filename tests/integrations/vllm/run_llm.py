@@ -5,8 +5,9 @@
 JOB: {"llm": {LLM kwargs}, "prompts": [[token ids]], "max_tokens": n}
 OUT: {"tokens": greedy continuations, "generate_seconds": wall time of the generate call (engine start excluded)}
 
-Its own process because vLLM starts its engine with "spawn", which re-imports __main__, and so that each
-configuration (plugin on or off) resolves its attention backend afresh. vLLM logs to stdout/stderr, where the tests
+Its own process so that each configuration (plugin on or off) resolves its attention backend afresh, and because
+vLLM spawns processes (tensor-parallel ranks; the engine core where VLLM_ENABLE_V1_MULTIPROCESSING is on; the tests
+turn it off: engine_common.IN_PROCESS), which re-import __main__. vLLM logs to stdout/stderr, where the tests
 read its KV capacity report.
 """
 
