@@ -68,7 +68,8 @@ def test_sliding_window_model_serves_with_default_max_num_seqs(tmp_path) -> None
     ps = prompts()[1:3]  # 300 and 400 tokens: beyond the window, a sink, packed blocks, a tail
     llm = {"model": path, "dtype": "float32", "max_model_len": 1024, "enforce_eager": True, "seed": 0,
            "disable_hybrid_kv_cache_manager": True, "additional_config": kvarn()}
-    run = run_llm("window", {"prompts": ps, "max_tokens": MAX_NEW, "llm": llm})
+    # vLLM's default engine-core process (engine_common.IN_PROCESS off): the lowering must happen there
+    run = run_llm("window", {"prompts": ps, "max_tokens": MAX_NEW, "llm": llm}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     log = run.log
 
     assert "5 sliding-window layers kept by vLLM" in log
