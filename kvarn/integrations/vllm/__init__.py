@@ -31,7 +31,8 @@ def cpu_engine_env(in_process: bool = False) -> dict[str, str]:
     """The environment of a CPU engine process that kvarn starts: vLLM's OpenMP threads on every core (unless
     VLLM_CPU_OMP_THREADS_BIND says otherwise), none reserved, and no VLLM_CPU_KVCACHE_SPACE (the caller gives the
     budget in bytes, `kv_cache_memory_bytes`). `in_process`: the engine core runs in that process, not in a second one
-    that imports torch and vLLM again (about 30 s less per start on a 2-core VM); for runs that time nothing."""
+    that imports torch and vLLM again (about half of a start on a 2-core VM: scripts/vllm_start_time.py); for runs
+    that time nothing."""
     import os
 
     n = os.cpu_count() or 1

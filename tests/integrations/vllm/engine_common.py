@@ -51,9 +51,9 @@ MAX_NEW = 32
 LENGTHS = (150, 300, 400, 520)  # prompt tokens: the first stays within sink + one block, the others cross blocks
 KV_GIB = 1
 ENV = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-# `LLM` runs its engine core in run_llm.py's own process: no second interpreter importing torch and vLLM, about 30 s
-# less per start here (65 s -> 34 s on the 2-core VM); the OpenAI server keeps vLLM's default (its tests read the
-# worker and EngineCore processes apart).
+# `LLM` runs its engine core in run_llm.py's own process: no second interpreter importing torch and vLLM, about half
+# of a start here (scripts/vllm_start_time.py); the OpenAI server keeps vLLM's default (its tests read the worker and
+# EngineCore processes apart).
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
