@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvarn-installed
 OUT    ?= out/demo
 
-.PHONY: run test test-main setup-and-install-check test-slow lint venv clean install-check
+.PHONY: run test test-main test-main-late second-lane test-slow lint venv clean install-check
 
 venv: $(STAMP)
 
@@ -28,28 +28,37 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/kvarn demo --out $(OUT)
 
-# Lint, then the main suite (test-main) beside the pip-bound set-up of the rest (.venv-vllm, then install-check: mostly
-# downloads and unpacking, so the two share 2 cores well; each target's output is printed whole when it ends) and the
-# vLLM tests that start no engine, then the vLLM engine tests alone (their engines pin OpenMP threads to both cores).
+# Lint, then two lanes, one per core: the main suite (test-main) beside the pip-bound set-up of the rest (.venv-vllm,
+# then install-check: mostly downloads and unpacking), the vLLM tests that start no engine and the main suite's last
+# part (second-lane); each target's output is printed whole when it ends. Then the vLLM engine tests alone (their
+# engines pin OpenMP threads to both cores).
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvarn tests scripts
 	$(VENV)/bin/lint-imports
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-main setup-and-install-check
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-main second-lane
 	$(MAKE) --no-print-directory test-vllm-engines
 
 # pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
 NONEMPTY = || { rc=$$?; [ $$rc -ne 5 ] || echo "make $@: pytest collected no tests" >&2; exit $$rc; }
 
+# The main suite in two parts, so that neither lane waits long for the other: test-main-late (the task model's CI
+# subset and the lm-eval checks, ~2 1/2 minutes) ends the second lane. `pytest` alone runs both parts.
+MAIN_LATE = tests/eval/test_tasks_model.py tests/eval/test_lm_eval.py
+
 test-main: $(STAMP)
-	$(PY) -m pytest -q $(NONEMPTY)
+	$(PY) -m pytest -q $(addprefix --ignore=,$(MAIN_LATE)) $(NONEMPTY)
+
+test-main-late: $(STAMP)
+	$(PY) -m pytest -q $(MAIN_LATE) $(NONEMPTY)
 
 # The vLLM venv's C++ kernels are built here, beside the main suite, not by the first vLLM test after it (each venv
 # has its own build folder: kvarn.kernels.cpu.build); a failed build only warns, as it does in the tests.
-setup-and-install-check:
+second-lane:
 	$(MAKE) --no-print-directory vllm-venv
 	$(VLLM_PY) -c "from kvarn.kernels.cpu.build import load; load()"
 	$(MAKE) --no-print-directory install-check
 	$(MAKE) --no-print-directory test-vllm-units
+	$(MAKE) --no-print-directory test-main-late
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

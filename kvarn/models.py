@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,10 +119,23 @@ def resolve(name_or_path: str) -> Path | str:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / ".complete").write_text(named.description + "\n")
+    # written beside, then renamed: two processes converting at once (the two lanes of `make test`, two commands)
+    # must never see each other's half-written files; the first rename wins and the other copy is dropped
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{named.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / ".complete").write_text(named.description + "\n")
+        if out.exists() and not (out / ".complete").exists():
+            shutil.rmtree(out, ignore_errors=True)  # left by a conversion that died (before this rename existed)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

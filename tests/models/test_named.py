@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import zipfile
 from pathlib import Path
@@ -154,3 +155,59 @@ def test_real_qwen_fetch(tmp_path, monkeypatch):
     assert path.parent == tmp_path / "gguf" and os.path.getsize(path) == QWEN25_CODER_05B["size"]
     assert sha256(path) == QWEN25_CODER_05B["sha256"]
     assert path.read_bytes()[:4] == b"GGUF"
+
+
+class _FakeSaved:
+    """Stands in for transformers' model and tokenizer: save_pretrained writes one file (and may run a hook first)."""
+
+    hook = None
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        return cls()
+
+    def save_pretrained(self, folder) -> None:
+        if _FakeSaved.hook is not None:
+            _FakeSaved.hook()
+        (Path(folder) / f"{type(self).__name__}.json").write_text("{}")
+
+
+class _FakeModel(_FakeSaved):
+    config = None
+    hf_quantizer = None
+
+
+class _FakeTok(_FakeSaved):
+    pass
+
+
+def test_conversion_is_renamed_into_place_and_a_concurrent_winner_is_kept(tmp_path, monkeypatch):
+    """`models.resolve` converts beside the final folder and renames it in: a reader never sees half-written files,
+    and when another process finished first (the two lanes of `make test`), its folder is kept and this copy
+    dropped; no temporary folder is left either way."""
+    import transformers
+
+    from kvarn import models
+
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path))
+    monkeypatch.setattr(transformers, "AutoModelForCausalLM", _FakeModel)
+    monkeypatch.setattr(transformers, "AutoTokenizer", _FakeTok)
+    fake = models.NamedModel("fake-model", "a fake", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setitem(models.NAMED_MODELS, "fake-model", fake)
+    root = tmp_path / "models"
+
+    out = models.resolve("fake-model")
+    assert out == root / "fake-model" and (out / ".complete").exists() and (out / "_FakeModel.json").exists()
+    assert sorted(p.name for p in root.iterdir()) == ["fake-model"]
+
+    def finish_first() -> None:  # another process's complete folder appears mid-conversion
+        _FakeSaved.hook = None
+        (root / "other").mkdir()
+        (root / "other" / ".complete").write_text("the winner\n")
+        (root / "other").rename(root / "fake-model")
+
+    shutil.rmtree(out)
+    monkeypatch.setattr(_FakeSaved, "hook", staticmethod(finish_first))
+    assert models.resolve("fake-model") == out
+    assert (out / ".complete").read_text() == "the winner\n" and not (out / "_FakeModel.json").exists()
+    assert sorted(p.name for p in root.iterdir()) == ["fake-model"]
