@@ -292,36 +292,57 @@ def transformers_logits(path: str, seqs: list[list[int]], preset: str | None, la
     `last` tokens of each sequence, the model of `path` in `dtype`.
 
     The cache is fed one block (G tokens) at a time, so each query sees what the paged vLLM backend shows it: blocks
-    before its own as stored, its own block exact."""
+    before its own as stored, its own block exact. Only the positions asked for go through the LM head
+    (`logits_to_keep`): bf16 matmuls are slow on CPUs without AVX-512."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from kvarn.integrations.transformers import KVarNCache
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = _hf_model(path, dtype)
         out = []
         with torch.no_grad():
             for s in seqs:
-                ids = torch.tensor([s])
+                ids, first = torch.tensor([s]), len(s) - last - 1  # the first position whose logits are kept
                 if preset is None:
-                    logits = model(input_ids=ids).logits[0]
+                    logits = model(input_ids=ids, logits_to_keep=last + 1).logits[0]
                 else:
                     cache = KVarNCache(model.config, preset=preset, exact_dtype=None)
                     g = cache.preset.tile
-                    logits = torch.cat([model(input_ids=ids[:, i:i + g], past_key_values=cache,
-                                              use_cache=True).logits[0] for i in range(0, ids.shape[1], g)])
+                    logits = torch.cat([model(input_ids=ids[:, i:i + g], past_key_values=cache, use_cache=True,
+                                              logits_to_keep=max(1, min(i + g, len(s)) - max(i, first))
+                                              ).logits[0] for i in range(0, len(s), g)])
                 out.append(logits[-last - 1:-1].float())
         return out
     finally:
         torch.set_num_threads(threads)
 
 
+_HF_MODELS: dict[tuple[str, str], object] = {}
+
+
+def _hf_model(path: str, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    key = (path, dtype)
+    if key not in _HF_MODELS:
+        _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return _HF_MODELS[key]
+
+
+_TOP1: dict[tuple, list[list[int]]] = {}
+
+
 def transformers_top1(seqs: list[list[int]], preset: str | None, last: int = MAX_NEW) -> list[list[int]]:
-    """`transformers_logits`' top-1 tokens on the default model in bf16."""
-    return [lg.argmax(-1).tolist() for lg in transformers_logits(model_dir(), seqs, preset, last)]
+    """`transformers_logits`' top-1 tokens on the default model in bf16 (once per session for the same arguments:
+    the stock reference serves test_engine_auto.py and test_engine_server.py)."""
+    key = (tuple(map(tuple, seqs)), preset, last)
+    if key not in _TOP1:
+        _TOP1[key] = [lg.argmax(-1).tolist() for lg in transformers_logits(model_dir(), seqs, preset, last)]
+    return _TOP1[key]
 
 
 def equal_up_to_ties(tokens: list[list[int]], logits: list) -> tuple[int, int]:
