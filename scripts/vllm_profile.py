@@ -3,12 +3,12 @@ worker run in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0), so the profile covers 
 kernels. Needs vLLM (`make vllm-venv`).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python scripts/vllm_profile.py PRESET|stock [NEW_TOKENS] [--out FILE]
-        [--requests 8] [--prompt-tokens 512] [--kv-mib 1024] [--max-num-seqs R]
+        [--requests 8] [--prompt-tokens 512] [--kv-mib 1024] [--max-num-seqs R] [--dtype bfloat16]
 
 R requests (default 8) of P prompt tokens (default 512) of `pydoc_data.topics` prose (each from its own offset) +
-NEW_TOKENS (default 64) greedy tokens, SmolLM2-135M-Instruct, bfloat16, a KV budget of --kv-mib (default 1 GiB),
-max_num_seqs R (or --max-num-seqs: a smaller budget and more requests than fit is the memory-bound run of
-`kvarn bench vllm`), enforce_eager; one short warm-up request first. Prints the wall time and tokens/s, then
+NEW_TOKENS (default 64) greedy tokens, SmolLM2-135M-Instruct, bfloat16 (or --dtype), a KV budget of --kv-mib
+(default 1 GiB), max_num_seqs R (or --max-num-seqs: a smaller budget and more requests than fit is the memory-bound
+run of `kvarn bench vllm`), enforce_eager; one short warm-up request first. Prints the wall time and tokens/s, then
 cProfile's top lines by cumulative and by own time; --out FILE keeps the raw stats (`pstats`). Used for docs/VLLM.md
 ("Throughput").
 """
@@ -42,13 +42,14 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--kv-mib", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     a = ap.parse_args()
     preset, new, out, n, plen = a.preset, a.new, a.out, a.requests, a.prompt_tokens
     register()
     path = str(resolve("smollm2"))
     ids = AutoTokenizer.from_pretrained(path)(" ".join(pydoc_data.topics.topics.values()))["input_ids"]
     prompts = [ids[1000 * r:1000 * r + plen] for r in range(n)]
-    kw = dict(model=path, dtype="bfloat16", max_model_len=plen + new + 16, max_num_seqs=a.max_num_seqs or n,
+    kw = dict(model=path, dtype=a.dtype, max_model_len=plen + new + 16, max_num_seqs=a.max_num_seqs or n,
               enforce_eager=True, seed=0, kv_cache_memory_bytes=a.kv_mib << 20)
     if preset != "stock":
         kw["additional_config"] = {"kvarn": {"preset": preset}}

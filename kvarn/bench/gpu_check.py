@@ -390,7 +390,7 @@ def paged_check(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: in
     lengths = [5 * g + 17, 2 * g - 1, 40]
     for preset in ("kvarn-k4v2",) if smoke else ("kvarn-k4v2", "kvarn-k2v2"):
         lay = TileLayout(get_preset(f"{preset}-g{g}"), d, torch.bfloat16)
-        e = next(e for e in lay.share_choices() if lay.blocks_per_slot(e) <= 8 and g * e % (2 * d) == 0)
+        e = next(e for e in lay.share_choices() if lay.blocks_per_slot(e) <= 8)  # every choice holds whole rows
         geo = PageGeometry(lay, hkv, e)
         nb = 12 * geo.blocks_per_slot
         pool = LayerPool(torch.zeros(nb, hkv, g, geo.c, dtype=torch.uint8, device=dev), geo)

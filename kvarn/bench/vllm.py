@@ -88,15 +88,21 @@ def scenarios(requests: list[int], prompt_tokens: list[int], new_tokens: int, kv
     return out
 
 
-def bench_vllm(model: str, load_ids, presets: list[str], runs: list[Scenario]) -> dict:
-    """The section's figures (module docstring); load_ids(n, offset_chars) -> token ids [1, n]."""
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def bench_vllm(model: str, load_ids, presets: list[str], runs: list[Scenario], dtype: str = "bfloat16") -> dict:
+    """The section's figures (module docstring); load_ids(n, offset_chars) -> token ids [1, n]. dtype: the model's
+    dtype in every engine (bfloat16, as vLLM serves it on CPUs with native bf16; float32 where the CPU lacks it)."""
     from kvarn.models import resolve
 
+    if dtype not in DTYPES:
+        raise ValueError(f"kvarn bench vllm: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     path = str(resolve(model))
     out_runs = []
     for sc in runs:
         prompts = [load_ids(sc.prompt_tokens, 4000 * i)[0].tolist() for i in range(sc.requests)]
-        base = {"model": path, "dtype": "bfloat16", "max_model_len": sc.prompt_tokens + sc.new_tokens + 16,
+        base = {"model": path, "dtype": dtype, "max_model_len": sc.prompt_tokens + sc.new_tokens + 16,
                 "max_num_seqs": sc.max_num_seqs, "enforce_eager": True, "seed": 0, "kv_cache_memory_bytes": sc.kv_bytes}
         rows = []
         for name in ("stock", *presets):
@@ -112,5 +118,5 @@ def bench_vllm(model: str, load_ids, presets: list[str], runs: list[Scenario]) -
         out_runs.append({**asdict(sc), "rows": rows})
     import vllm
 
-    return {"vllm": vllm.__version__, "model": model, "dtype": "bfloat16",
+    return {"vllm": vllm.__version__, "model": model, "dtype": dtype,
             "kernel": os.environ.get("KVARN_KERNEL", "auto"), "runs": out_runs}

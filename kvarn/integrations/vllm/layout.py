@@ -72,9 +72,12 @@ class TileLayout:
         self.fp_bytes = 2 * g * head_dim * fp_dtype.itemsize  # one fp block of one head, K and V
 
     def share_choices(self) -> list[int]:
-        """Possible e (bytes per token slot of fp share): divisors of 2*D*itemsize, smallest first."""
-        m = 2 * self.head_dim * self.fp_dtype.itemsize
-        return [e for e in range(1, m + 1) if m % e == 0]
+        """Possible e (bytes per token slot of fp share), smallest first: divisors of 2*D*itemsize whose block share
+        (G*e bytes per head) holds whole fp rows, so that the pool's rows are one strided view and the batched decode
+        reads them in place (`LayerPool.rows`). A share that split rows across blocks (e = 1 for a float32 model, or
+        for head_dim 128 in bf16) sent every decode row down the per-request path: half the tokens/s (docs/VLLM.md)."""
+        m, row = 2 * self.head_dim * self.fp_dtype.itemsize, self.head_dim * self.fp_dtype.itemsize
+        return [e for e in range(1, m + 1) if m % e == 0 and self.tile * e % row == 0]
 
     def blocks_per_slot(self, e: int) -> int:
         return 2 * self.head_dim * self.fp_dtype.itemsize // e

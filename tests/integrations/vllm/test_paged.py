@@ -45,14 +45,15 @@ def read_path(request, monkeypatch):
 class Engine:
     """Blocks handed out like vLLM's pool (free list, shared prefix blocks), one layer, float32 (or `dtype`)."""
 
-    def __init__(self, preset_bits=(4, 2), sink_blocks: int = 1, num_blocks: int = 64, e_index: int = 5,
+    def __init__(self, preset_bits=(4, 2), sink_blocks: int = 1, num_blocks: int = 64, e: int = 32,
                  family: str = "kvarn", rounding: str = "nearest", dtype: torch.dtype = torch.float32,
                  clip: tuple[float, float] = (1.0, 1.0)) -> None:
         preset = affine_preset(family, *preset_bits, G, rounding=rounding, clip=clip)
         self.dtype = dtype  # the model's: keys, values and queries are rounded to it
         self.prefill = "model"  # additional_config['kvarn']['prefill']
         self.lay = TileLayout(preset, D, dtype)
-        geo = PageGeometry(self.lay, H, self.lay.share_choices()[e_index])
+        assert e in self.lay.share_choices(), e
+        geo = PageGeometry(self.lay, H, e)
         self.kv = torch.zeros(num_blocks, H, G, geo.c, dtype=torch.uint8)
         self.pool = LayerPool(self.kv, geo)
         self.table = SlotTable(self.pool.n_slots, G, sink_blocks)
@@ -314,7 +315,7 @@ def test_prefix_sharing_reads_shared_blocks_and_reuse_resets_them(read_path) -> 
 
 def test_pool_exhaustion_evicts_idle_sink_then_reads_packed_copy(read_path) -> None:
     gen = torch.Generator().manual_seed(5)
-    eng = Engine(sink_blocks=1, num_blocks=64, e_index=3)  # smallest share: few fp slots
+    eng = Engine(sink_blocks=1, num_blocks=64, e=8)  # a small share: few fp slots
     n_slots = eng.pool.n_slots
     assert n_slots >= 2
     eng.add("a")
@@ -374,14 +375,14 @@ def test_blocks_that_cannot_be_quantized_are_kept_exact(read_path) -> None:
     assert not reused & set(eng.table.exact)
 
 
-@pytest.mark.parametrize("e_index", [4, 3])
-def test_block_kept_exact_in_a_full_pool_evicts_an_idle_slot(e_index: int, read_path) -> None:
+@pytest.mark.parametrize("e", [16, 8])
+def test_block_kept_exact_in_a_full_pool_evicts_an_idle_slot(e: int, read_path) -> None:
     """A block filled and completed within one chunk has no slot; when the pool has no free one, keeping it exact
     evicts the least recently used slot of a block this step does not read (an idle sink), and is read exact. With 4
     slots, all held by this request (sink, an exact block, one completing, one filling), there is none to take: a
     RuntimeError naming fp_slots (what stops the engine, docs/VLLM.md), never a wrong answer."""
     gen = torch.Generator().manual_seed(19)
-    eng = Engine(sink_blocks=1, num_blocks=64, e_index=e_index)  # 8 or 4 fp slots
+    eng = Engine(sink_blocks=1, num_blocks=64, e=e)  # 8 or 4 fp slots
     for i in range(eng.pool.n_slots):  # finished requests' sinks fill the pool
         eng.add(f"x{i}")
         eng.step({f"x{i}": G}, gen)
@@ -460,6 +461,38 @@ def test_pool_sized_from_the_budget_lowers_concurrency_instead_of_refusing() -> 
         assert n == 8 and small == choose_geometry(lay, 3, 30, 2**30, need(8))
         with pytest.raises(ValueError, match="even one sequence"):
             choose_pool(lay, 3, 30, 2**20, 256, need)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_share_holds_whole_rows(dtype: torch.dtype) -> None:
+    """Every fp share a geometry can choose holds whole fp rows, so the pool's rows are one view, which the batched
+    decode needs (`paged.decode_batch`). Before, an ample budget chose e = 1 byte per token slot: for a float32 model
+    (and for head_dim 128 in bf16) a row then spanned two blocks' shares, and every decode row went request by
+    request (half the tokens/s: docs/VLLM.md)."""
+    from kvarn.presets import get_preset
+
+    for name in ("kvarn-k2v2-g128", "kvarn-auto-k2v2-g64", "kvarn-k4v2-g128"):
+        for d in (64, 128):
+            lay = TileLayout(get_preset(name), d, dtype)
+            assert lay.share_choices()[-1] == 2 * d * dtype.itemsize  # the whole fp block in one page: always there
+            for e in lay.share_choices():
+                kv = torch.zeros(2 * lay.blocks_per_slot(e), 2, lay.tile, lay.c0 + e, dtype=torch.uint8)
+                assert LayerPool(kv, PageGeometry(lay, 2, e)).rows is not None, (name, d, dtype, e)
+            assert choose_geometry(lay, 8, 32, 4 << 30, slots=2).e == lay.share_choices()[0]  # ample budget
+
+
+def test_smallest_share_batches_the_decode(read_path, monkeypatch) -> None:
+    """A float32 pool at the smallest share (e = 4 here; e = 1 split its rows before) serves each step's decode rows
+    in one batched call under KVARN_KERNEL=cpu, and matches the float64 oracle (`test_mixed_batch_matches_oracle`'s
+    steps)."""
+    e = TileLayout(affine_preset("kvarn", 4, 2, G), D, torch.float32).share_choices()[0]
+    assert e == 4
+    sizes = []
+    real = paged.batched_decode
+    monkeypatch.setattr(paged, "batched_decode", lambda pool, batch, *a: sizes.append(len(batch.requests)) or
+                        real(pool, batch, *a))
+    _mixed_steps(Engine(sink_blocks=1, num_blocks=512, e=e), torch.Generator().manual_seed(13), check=True)
+    assert sizes == ([] if paged.fused.mode() == "torch" else [3, 4, 5, 5, 5]), sizes
 
 
 def test_page_fields_round_trip_through_views() -> None:
