@@ -177,8 +177,9 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
             out["sections"]["memory"] = bench_memory(args.model, load_ids, _ints(s["mem_contexts"]),
                                                      _names(s["caches"]), s["mem_steps"])
         elif section == "vllm":
-            from kvarn.bench.vllm import bench_vllm, missing, scenarios
+            from kvarn.bench.vllm import bench_vllm, check_dtype, missing, scenarios
 
+            check_dtype(s["vllm_dtype"])  # bad input first, vLLM or not
             why = missing()
             if why is not None:
                 raise ValueError(why)

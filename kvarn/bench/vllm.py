@@ -91,13 +91,17 @@ def scenarios(requests: list[int], prompt_tokens: list[int], new_tokens: int, kv
 DTYPES = ("bfloat16", "float16", "float32")
 
 
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"kvarn bench vllm: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+
+
 def bench_vllm(model: str, load_ids, presets: list[str], runs: list[Scenario], dtype: str = "bfloat16") -> dict:
     """The section's figures (module docstring); load_ids(n, offset_chars) -> token ids [1, n]. dtype: the model's
     dtype in every engine (bfloat16, as vLLM serves it on CPUs with native bf16; float32 where the CPU lacks it)."""
     from kvarn.models import resolve
 
-    if dtype not in DTYPES:
-        raise ValueError(f"kvarn bench vllm: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_dtype(dtype)
     path = str(resolve(model))
     out_runs = []
     for sc in runs:

@@ -104,6 +104,8 @@ def test_bench_bad_input_is_a_clear_error(tiny, capsys):
     assert "nope" in capsys.readouterr().err
     assert main(["bench", "attention", "--shapes", "gpt5"]) == 2
     assert "gpt5" in capsys.readouterr().err
+    assert main(["bench", "vllm", "--quick", "--vllm-dtype", "int8"]) == 2
+    assert "dtype 'int8' is not one of bfloat16, float16, float32" in capsys.readouterr().err
 
 
 def test_bench_vllm_without_vllm_names_the_fix(monkeypatch, capsys):
