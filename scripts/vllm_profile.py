@@ -31,6 +31,7 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
+    from kvarn.bench.vllm import DTYPES
     from kvarn.integrations.vllm import register
     from kvarn.models import resolve
 
@@ -42,7 +43,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--kv-mib", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int)
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     a = ap.parse_args()
     preset, new, out, n, plen = a.preset, a.new, a.out, a.requests, a.prompt_tokens
     register()

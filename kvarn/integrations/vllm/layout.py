@@ -109,6 +109,9 @@ class PageGeometry:
     packed: int | None = None  # packed bytes per token slot, >= layout.c0 (None: layout.c0)
 
     def __post_init__(self) -> None:
+        if self.e not in self.layout.share_choices():
+            raise ValueError(f"kvarn: an fp share of {self.e} bytes per token slot is not one of "
+                             f"{self.layout.share_choices()} (divisors of an fp block's bytes that hold whole rows)")
         if self.packed is not None and self.packed < self.layout.c0:
             raise ValueError(f"kvarn: a page class of {self.packed} packed bytes per token slot cannot hold tiles "
                              f"of {self.layout.c0}")

@@ -556,13 +556,13 @@ class DecodeBatch:
 
 def decode_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
     """The step's `DecodeBatch` for this pool's geometry (cached on the plan), or None when the decode rows take the
-    per-request path: KVARN_KERNEL=torch or a kernel that cannot serve these quantizers (`fused.take`), fp shares
-    that do not hold whole rows, or no decode row."""
+    per-request path: KVARN_KERNEL=torch or a kernel that cannot serve these quantizers (`fused.take`), or no decode
+    row."""
     key = (pool.k, pool.rows_per_block)
     if key in plan.batches:
         return plan.batches[key]
     batch = None
-    if fused.mode() != "torch" and pool.rows is not None:
+    if fused.mode() != "torch":
         lay = pool.layout
         if decode_kernel(pool.rows.device) == "triton":
             take = dispatch.take(triton_unsupported(pool), "the Triton paged decode cannot serve this pool")

@@ -288,15 +288,11 @@ class LayerPool:
         self.n_slots = nb // self.k
         self.share = self.runs[:, :, split:split + lay.tile * geo.e]  # [num_blocks, H, G*e]
         self.key_fields, self.value_fields = lay.views(self.runs)  # name -> [num_blocks, H, *shape], zero copy
-        # The fp rows of the shares as one strided view [num_blocks, H, rows_per_block, D] in the fp dtype, when a
-        # share holds whole rows (G*e a multiple of D*itemsize: every e of `share_choices`): row r of kind c (0 K,
-        # 1 V) of slot s, head h, is rows[s*k + (c*G + r) // rpb, h, (c*G + r) % rpb] (`slot_rows`). None (a
-        # geometry built by hand): read slots whole (`read_slot`), and no batched decode.
-        row_bytes = lay.head_dim * lay.fp_dtype.itemsize
-        share_bytes = lay.tile * geo.e
-        self.rows_per_block = share_bytes // row_bytes if share_bytes % row_bytes == 0 else 0
-        self.rows = (self.share.view(lay.fp_dtype).unflatten(-1, (self.rows_per_block, lay.head_dim))
-                     if self.rows_per_block else None)
+        # The fp rows of the shares as one strided view [num_blocks, H, rows_per_block, D] in the fp dtype (every
+        # share holds whole rows: `TileLayout.share_choices`): row r of kind c (0 K, 1 V) of slot s, head h, is
+        # rows[s*k + (c*G + r) // rpb, h, (c*G + r) % rpb] (`slot_rows`).
+        self.rows_per_block = lay.tile * geo.e // (lay.head_dim * lay.fp_dtype.itemsize)
+        self.rows = self.share.view(lay.fp_dtype).unflatten(-1, (self.rows_per_block, lay.head_dim))
         # rotate="auto" keys: the layer's running query energy, [1, H, D] float32 sums + count, for the whole engine
         # (all requests pooled; `paged.observe_queries`); kept across pools of the same layer when given
         # (query-aware keys, `-qar` presets: the running E[q q^T] per KV head, `QueryCovariance`)

@@ -465,20 +465,26 @@ def test_pool_sized_from_the_budget_lowers_concurrency_instead_of_refusing() -> 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_every_share_holds_whole_rows(dtype: torch.dtype) -> None:
-    """Every fp share a geometry can choose holds whole fp rows, so the pool's rows are one view, which the batched
-    decode needs (`paged.decode_batch`). Before, an ample budget chose e = 1 byte per token slot: for a float32 model
-    (and for head_dim 128 in bf16) a row then spanned two blocks' shares, and every decode row went request by
-    request (half the tokens/s: docs/VLLM.md)."""
+    """Every fp share a geometry can choose holds whole fp rows (G * e a multiple of a row's bytes), so the pool's
+    rows are one view, which the batched decode reads (`paged.decode_batch`); a share that would split them is
+    refused. Before, an ample budget chose e = 1 byte per token slot: for a float32 model (and for head_dim 128 in
+    bf16) a row then spanned two blocks' shares, and every decode row went request by request (half the tokens/s:
+    docs/VLLM.md)."""
     from kvarn.presets import get_preset
 
     for name in ("kvarn-k2v2-g128", "kvarn-auto-k2v2-g64", "kvarn-k4v2-g128"):
         for d in (64, 128):
             lay = TileLayout(get_preset(name), d, dtype)
-            assert lay.share_choices()[-1] == 2 * d * dtype.itemsize  # the whole fp block in one page: always there
+            row, block = d * dtype.itemsize, 2 * d * dtype.itemsize
+            assert lay.share_choices() == [e for e in range(1, block + 1) if block % e == 0 and lay.tile * e % row == 0]
             for e in lay.share_choices():
                 kv = torch.zeros(2 * lay.blocks_per_slot(e), 2, lay.tile, lay.c0 + e, dtype=torch.uint8)
-                assert LayerPool(kv, PageGeometry(lay, 2, e)).rows is not None, (name, d, dtype, e)
+                pool = LayerPool(kv, PageGeometry(lay, 2, e))
+                assert pool.rows.shape == (kv.shape[0], 2, lay.tile * e // row, d), (name, d, dtype, e)
             assert choose_geometry(lay, 8, 32, 4 << 30, slots=2).e == lay.share_choices()[0]  # ample budget
+            if lay.tile % row:  # e = 1 would split rows: refused by name
+                with pytest.raises(ValueError, match="hold whole rows"):
+                    PageGeometry(lay, 2, 1)
 
 
 def test_smallest_share_batches_the_decode(read_path, monkeypatch) -> None:
