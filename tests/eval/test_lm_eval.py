@@ -63,6 +63,7 @@ def _responses(out: dict, task: str) -> list:
     return [s["resps"] for s in out["samples"][task]]
 
 
+@pytest.mark.slow  # ~40 s (two lm-eval runs of the tiny model); the CI's 25 minutes keep the exported-tasks test below
 def test_fp16_preset_matches_lm_eval_hf(setup, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -157,6 +157,7 @@ def test_dispatch_is_one_rule(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.slow  # ~30 s of dynamo compiling; out of the CI's 25 minutes (`make test-slow`)
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_decode_step_under_torch_compile(seed):
     """Greedy decode steps of a filled KVarNCache (tiny llama, 2 packed tiles per head) with the model's forward
