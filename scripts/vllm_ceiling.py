@@ -8,8 +8,10 @@ capacity can buy on this machine (kvarn's attention would have to be cheaper tha
         [--presets P1,P2] [--json F]
 
 Prints the rows (requests/s, tokens/s, TTFT, TPOT, KV tokens, preemptions) and the ceiling ratio; --json keeps
-them. Every run is `kvarn bench vllm`'s memory-bound job (`kvarn.bench.vllm.bench_vllm`): stock in both budgets,
-and --presets (kvarn presets, none by default) in the run's own budget beside it.
+them. Exits with an error when vLLM's KV tokens at --ample-mib hold fewer than --max-num-seqs sequences (the
+default 1800 MiB is sized for float32 SmolLM2; bf16 needs about half). Every run is `kvarn bench vllm`'s
+memory-bound job (`kvarn.bench.vllm.bench_vllm`): stock in both budgets, and --presets (kvarn presets, none by
+default) in the run's own budget beside it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main() -> None:
               f"tokens/s, TTFT {r['ttft_mean_s']:.1f} s, TPOT {r['tpot_mean_s']:.3f} s, {r['kv_tokens']} KV tokens, "
               f"{r['preemptions']} preemptions")
     ceiling = stock[1]["requests_per_s"] / stock[0]["requests_per_s"]
+    held = stock[1]["kv_tokens"] // (args.prompt_tokens + args.new_tokens)  # whole sequences the ample budget holds
     print(f"ceiling: stock with {args.ample_mib:.0f} MiB serves {ceiling:.2f}x stock's requests/s in {args.kv_mib:.0f} "
           f"MiB ({args.requests} x ({args.prompt_tokens} + {args.new_tokens}), max_num_seqs {args.max_num_seqs}, "
           f"{args.dtype})")
@@ -68,7 +71,11 @@ def main() -> None:
             json.dump({"command": "scripts/vllm_ceiling.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
                                                                         vars(args).items() if v not in (None, "")),
                        "provenance": provenance(**vars(args)), "vllm": res["vllm"], "rows": rows,
-                       "ceiling": ceiling, "wall_s": time.perf_counter() - t0}, f, indent=1)
+                       "ceiling": ceiling, "ample_sequences": held, "wall_s": time.perf_counter() - t0}, f, indent=1)
+    if held < args.max_num_seqs:  # after the JSON: the runs are kept, the ratio is not the ceiling
+        raise SystemExit(f"--ample-mib {args.ample_mib:.0f} holds {held} sequences of {args.prompt_tokens} + "
+                         f"{args.new_tokens} tokens, fewer than max_num_seqs {args.max_num_seqs}: the ratio above "
+                         "understates the ceiling; raise --ample-mib")
 
 
 if __name__ == "__main__":

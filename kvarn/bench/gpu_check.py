@@ -76,6 +76,16 @@ def smoke_configs(configs: list[tuple[int, int, int]]) -> list[tuple[int, int, i
     return [c for i, c in enumerate(configs) if c[2] not in {u for _, _, u in configs[:i]}]
 
 
+def sweep_splits(kind: str, unroll: int, smoke: bool) -> tuple[int | None, ...]:
+    """Blocks per split timed in step 4 (None: "auto"). The smoke run sets an explicit split size once, on the
+    default kernel's first configuration: the interpreter's times mean nothing, only that each path runs."""
+    if kind == "tile":
+        return (8,)
+    if not smoke:
+        return (None, 4)
+    return (None, 2) if kind == "planes" and unroll == 1 else (None,)
+
+
 @contextlib.contextmanager
 def decode_kernel(kind: str):
     """Force `ops.DECODE_KERNEL` (the decode kernel version) inside the block."""
@@ -488,9 +498,7 @@ def decode_sweep(dev: torch.device, smoke: bool, hq: int, hkv: int, d: int, g: i
             for kind, prec in [v for v in DECODE_VARIANTS if v != ("planes", "ieee")]:  # 2-13x slower (run 1)
                 for warps, stages, unroll in smoke_configs(SWEEP[kind]) if smoke else SWEEP[kind]:
                     ops.DECODE_LAUNCH[kind] = (warps, stages, unroll)
-                    # smoke: the explicit split size once (the interpreter's times mean nothing)
-                    for bps in (8,) if kind == "tile" else (None, 2) if smoke and kind == "planes" and unroll == 1 \
-                            else (None,) if smoke else (None, 4):
+                    for bps in sweep_splits(kind, unroll, smoke):
                         with decode_kernel(kind):
                             ms = bench(lambda b_=bps, p=prec, a=call: ops.decode_partials(*a, b_, p), smoke)
                         row = {"sweep_batch": bsz, "context": ctx, "kernel": kind, "precision": prec,

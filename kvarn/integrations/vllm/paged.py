@@ -176,15 +176,15 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
     done_k, done_v, done_blocks, done_where = [], [], [], []
     batch = decode_batch(plan, pool)
     if batch is not None:  # every decode row at once: its fresh K, V rows straight into their fp slots
-        rows = batch.token_span or batch.token_rows
-        pool.rows[batch.write_blk, :, batch.write_sub] = torch.stack([key[rows], value[rows]], 1).to(fp)  # [B, 2, H, D]
+        pool.rows[batch.write_blk, :, batch.write_sub] = torch.stack(
+            [key[batch.token_rows], value[batch.token_rows]], 1).to(fp)  # [B, 2, H, D]
         if batch.done_blocks:  # the blocks these tokens complete: their exact rows, now all in their slots
             kv = pool.rows[batch.done_blk, :, batch.done_sub].to(key.dtype)  # [n, 2, G, H, D]
             done_k.extend(kv[:, 0].transpose(1, 2).unbind(0))
             done_v.extend(kv[:, 1].transpose(1, 2).unbind(0))
             done_blocks.extend(batch.done_blocks)
             done_where.extend(batch.done_where)
-    for i, p, j, rows, hi in () if batch is not None and batch.whole else _pieces(plan, g):
+    for i, p, j, rows, hi in _pieces(plan, g):
         if batch is not None and i in batch.request_set:
             continue
         nc = p.computed
@@ -435,10 +435,8 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
     batch = decode_batch(plan, pool)
     batched = batch is not None and not any(layer in marked for marked in plan.exact.values())
     if batched:
-        rows = batch.token_span or batch.token_rows
-        output[rows] = batched_decode(pool, batch, query[rows], scale, softcap).to(output.dtype)
-        if batch.whole:  # a decode-only step: nothing else to attend
-            return
+        output[batch.token_rows] = batched_decode(pool, batch, query[batch.token_rows], scale,
+                                                  softcap).to(output.dtype)
     # A bf16 model's prefill reads its decoded past in bf16, as stock vLLM reads its bf16 pages (the rounding, 2^-9
     # relative, is far below the codes' error; SDPA is faster in bf16 on a CPU with AMX-BF16: docs/VLLM.md).
     sdpa = torch.bfloat16 if prefill == "model" and query.dtype == torch.bfloat16 else compute_dtype(query.dtype)
@@ -539,9 +537,7 @@ class DecodeBatch:
 
     requests: list[int]
     request_set: frozenset[int]
-    whole: bool  # every row of the step is one of these (a decode-only step: no other piece to store or attend)
     token_rows: torch.Tensor  # [B] rows of the step's [T, ...] tensors
-    token_span: slice | None  # the same as a slice when they are rows 0 .. B-1 in order (a view, not a gather)
     write_blk: torch.Tensor  # [B, 2] (K, V) where the fresh rows go in `LayerPool.rows`
     write_sub: torch.Tensor
     dense_index: torch.Tensor  # [B, 2, t] int64 row ids n * R + r into `LayerPool.rows` [N, H, R, D]
@@ -634,11 +630,8 @@ def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
     def to(t: torch.Tensor) -> torch.Tensor:
         return t.to(dev, non_blocking=True)
 
-    req_set = frozenset(reqs)
-    whole = all(i in req_set or p.rows[1] == p.rows[0] for i, p in enumerate(plan.requests))
-    span = slice(0, b) if tok == list(range(b)) else None
-    return DecodeBatch(reqs, req_set, whole, to(torch.tensor(tok)), span, to(write_blk), to(write_sub),
-                       to(dense_index), to(table), to(n_blocks), tiles_len, to(bias), sb * g,
+    return DecodeBatch(reqs, frozenset(reqs), to(torch.tensor(tok)), to(write_blk), to(write_sub), to(dense_index),
+                       to(table), to(n_blocks), tiles_len, to(bias), sb * g,
                        to(torch.tensor(ns, dtype=torch.int32)), to(cur_row_t.to(torch.int32) + 1), done, done_where,
                        to(done_blk), to(done_sub))
 
@@ -652,9 +645,8 @@ def batched_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, scale: 
         return triton_decode(pool, batch, q, k, v, scale, softcap)
     # the sink and current-block rows read in place through their row ids; fields, table and index checked once per
     # step by `_build_batch`
-    if pool.decode_fields is None:  # the pool's fields never move: described for the kernel once
-        pool.decode_fields = (kernel.PackedTiles.pool(pool.key_fields), kernel.PackedTiles.pool(pool.value_fields))
-    out = kernel.decode_attention(q[:, :, None], *pool.decode_fields, batch.table, batch.n_blocks,
+    out = kernel.decode_attention(q[:, :, None], kernel.PackedTiles.pool(pool.key_fields),
+                                  kernel.PackedTiles.pool(pool.value_fields), batch.table, batch.n_blocks,
                                   pool.layout.tile, scaling=scale, tiles_pos=0, bias=batch.bias, softcap=softcap,
                                   validate=False, paged=(pool.rows, batch.dense_index, batch.tiles_len))
     return out[:, :, 0]

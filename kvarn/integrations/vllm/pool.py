@@ -298,7 +298,6 @@ class LayerPool:
         # (query-aware keys, `-qar` presets: the running E[q q^T] per KV head, `QueryCovariance`)
         self.queries = queries if queries is not None else query_statistics(lay.key_q)
         self.triton_store: bool | None = None  # CUDA: whether the Triton store kernel writes its tiles (`paged`)
-        self.decode_fields: tuple | None = None  # (keys, values) as the CPU kernel's PackedTiles (`paged`)
 
     def slot_rows(self, slots: torch.Tensor, kind: int | torch.Tensor,
                   row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
