@@ -271,16 +271,26 @@ def decodes_past(rows: int, softcap: float | None) -> bool:
 
 
 def _decoded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: KVarNPast | None,
-                  ok: torch.Tensor, add: torch.Tensor | None, scale: float, cd: torch.dtype) -> torch.Tensor:
+                  ok: torch.Tensor, add: torch.Tensor | None, scale: float, cd: torch.dtype,
+                  causal: bool = False) -> torch.Tensor:
     """Many query rows (prefill chunks): the stored layer decoded once (`StoredKV.dequantized(dense=True)`, a
     transient [B, Hkv, T, D] copy of one layer) and fused SDPA over [past | fresh] in cd; [B, L, Hq, D]."""
     k, v = key.to(cd), value.to(cd)
     if past is not None:
         k = torch.cat([past.keys.dequantized(cd, dense=True), k], dim=2)
         v = torch.cat([past.values.dequantized(cd, dense=True), v], dim=2)
+    return sdpa_rows(query, k, v, ok, add, scale, cd, causal)
+
+
+def sdpa_rows(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, add: torch.Tensor | None,
+              scale: float, cd: torch.dtype, causal: bool = False) -> torch.Tensor:
+    """Fused SDPA in cd of query [B, Hq, L, D] over exact rows k, v [B, Hkv, T, D] (already in cd), ok as from
+    `allowed`, add an additive mask or None -> [B, L, Hq, D] in the query's dtype; fully masked rows give 0.
+    causal: ok is `allowed`'s own causal mask (T >= L), where every row sees a key, so that check is skipped."""
     mask = ok if add is None else add.to(cd).masked_fill(~ok, float("-inf"))
     out = F.scaled_dot_product_attention(query.to(cd), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out = torch.where(ok.any(-1, keepdim=True), out, 0)  # fully masked rows give 0
+    if not causal:
+        out = torch.where(ok.any(-1, keepdim=True), out, 0)  # fully masked rows give 0
     return out.transpose(1, 2).to(query.dtype).contiguous()
 
 
@@ -315,7 +325,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             return out
     ok = allowed(attention_mask, b, length, kv_len, query.device) if ok is None else ok
     if decodes_past(g * length, softcap):
-        return _decoded_sdpa(query, key, value, past, ok, _additive(attention_mask), scale, sdpa_dtype or cd)
+        return _decoded_sdpa(query, key, value, past, ok, _additive(attention_mask), scale, sdpa_dtype or cd,
+                             causal=attention_mask is None and kv_len >= length)
     add = _additive(attention_mask)
     # queries regrouped per KV head: row j*L + l of head kv is query head kv*g + j at position l
     qs = query.to(cd).reshape(b, hkv, g * length, d) * scale

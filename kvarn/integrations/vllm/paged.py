@@ -72,7 +72,7 @@ import torch
 
 from kvarn.attention import fused
 from kvarn.attention import launch as kernel
-from kvarn.attention.packed import KVarNPast, allowed, compute_dtype, decodes_past, packed_attention
+from kvarn.attention.packed import KVarNPast, allowed, compute_dtype, decodes_past, packed_attention, sdpa_rows
 from kvarn.attention.view import StoredKV
 from kvarn.cache.store import fits_dtype
 from kvarn.integrations.vllm.pool import Held, LayerPool, RequestPlan, StepPlan
@@ -471,22 +471,20 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
 
 def _decoded_past(pool: LayerPool, plan: StepPlan, p: RequestPlan, i: int, j: int, dtype: torch.dtype,
                   sdpa: torch.dtype, layer: str,
-                  decoded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[StoredKV, StoredKV]:
-    """`past_view(.., j, ..)` for a prefill piece that `packed_attention` serves by decoding its past densely
-    (`_decoded_sdpa`: many query rows, no soft cap), as exact rows: blocks [0, j) of request i decoded ONCE per
-    step and layer (up to the request's last block touched in this step, every block before it stored already) and
-    sliced per piece, instead of decoding blocks 0 .. j-1 again for every piece j of a long prompt. The rows are
-    `past_view(..).dequantized(float32, dense=True)`, what `_decoded_sdpa` would compute from the packed view, so
-    the attention is the same to the bit; they are kept in `sdpa`, the dtype the pieces' SDPA reads them in (cast
-    once here, not once per piece)."""
+                  decoded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact rows (K, V [1, H, j * G, D] in `sdpa`) that `packed_attention` would read for a prefill piece of
+    block j by decoding its past densely (`_decoded_sdpa`: many query rows, no soft cap): blocks [0, j) of request i
+    decoded ONCE per step and layer (up to the request's last block touched in this step, every block before it
+    stored already) and sliced per piece, instead of decoding blocks 0 .. j-1 again for every piece j of a long
+    prompt. The rows are `past_view(..).dequantized(float32, dense=True)`, what `_decoded_sdpa` would compute from
+    the packed view, so the attention is the same to the bit; they are kept in `sdpa`, the dtype the pieces' SDPA
+    reads them in (cast once here, not once per piece)."""
     if i not in decoded:
         last = (p.length - 1) // pool.layout.tile  # the last block this step touches: its past is every stored one
         full = past_view(pool, p, last, plan.sink_blocks, dtype, plan, layer)
         decoded[i] = tuple(x.dequantized(torch.float32, dense=True).to(sdpa) for x in full)
-    lay, h = pool.layout, pool.geo.num_kv_heads
-    n = j * lay.tile
-    return tuple(StoredKV(x[:, :, :n], Tiles(), 0, None, _NO_EXACT, None, q, (1, h, lay.head_dim), dtype)
-                 for x, q in zip(decoded[i], (lay.key_q, lay.value_q)))
+    n = j * pool.layout.tile
+    return decoded[i][0][:, :, :n], decoded[i][1][:, :, :n]
 
 
 def _batch_key(fresh: bool, j: int, q: torch.Tensor, k: torch.Tensor) -> tuple:
@@ -496,24 +494,27 @@ def _batch_key(fresh: bool, j: int, q: torch.Tensor, k: torch.Tensor) -> tuple:
 
 
 def _batched_pieces(pieces: list[tuple], scale: float, softcap: float | None, sdpa: torch.dtype) -> torch.Tensor:
-    """Prefill pieces (rows, q [1, Hq, L, D], k, v [H, t, D], past: a decoded past or None) of one `_batch_key` as
-    one `packed_attention` call over the batch axis, its SDPA in `sdpa`: [n, L, Hq, D]."""
+    """Prefill pieces (rows, q [1, Hq, L, D], k, v [H, t, D], past: (K, V) rows of a decoded past, or None) of one
+    `_batch_key` as one SDPA call over the batch axis in `sdpa`: [n, L, Hq, D]. A decoded past and the piece's own
+    rows are copied once, into one [n, H, past + t, D] buffer: the rows `packed_attention` joins, in its order."""
     _, q, k, v, pasts = zip(*pieces)
-    past = None
-    if pasts[0] is not None:  # each past as the exact rows `_decoded_sdpa` reads of it, stacked
-        past = KVarNPast(*pasts[0]) if len(pasts) == 1 else KVarNPast(*(_stacked(views, sdpa)
-                                                                         for views in zip(*pasts)))
-    return packed_attention(torch.cat(q), torch.stack(k), torch.stack(v), past, None, scale, softcap, kernel=False,
-                            sdpa_dtype=sdpa)
+    query = torch.cat(q)
+    if pasts[0] is None:
+        return packed_attention(query, torch.stack(k), torch.stack(v), None, None, scale, softcap, kernel=False,
+                                sdpa_dtype=sdpa)
+    keys, values = (_joined([x[c] for x in pasts], rows, sdpa) for c, rows in ((0, k), (1, v)))
+    ok = allowed(None, len(pieces), query.shape[2], keys.shape[2], query.device)
+    return sdpa_rows(query, keys, values, ok, None, scale, sdpa, causal=True)
 
 
-def _stacked(views: tuple[StoredKV, ...], dtype: torch.dtype) -> StoredKV:
-    """Pasts of equal length (one request each) as one batch of exact rows in `dtype`
-    (`dequantized(dtype, dense=True)`: the rows themselves for `_decoded_past`'s)."""
-    v = views[0]
-    _, h, d = v.shape_bhd
-    return StoredKV(torch.cat([x.dequantized(dtype, dense=True) for x in views]), Tiles(), 0, None, _NO_EXACT, None,
-                    v.quantizer, (len(views), h, d), v.dtype)
+def _joined(pasts: list[torch.Tensor], rows: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """[n, H, past + t, D] in dtype: piece i's past [1, H, past, D] then its rows [H, t, D]."""
+    n, (h, t, d), m = len(pasts), rows[0].shape, pasts[0].shape[2]
+    out = torch.empty(n, h, m + t, d, dtype=dtype, device=rows[0].device)
+    for i, (past, r) in enumerate(zip(pasts, rows)):
+        out[i, :, :m] = past[0]
+        out[i, :, m:] = r
+    return out
 
 
 def _slot_rows(pool: LayerPool, p: RequestPlan, j: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

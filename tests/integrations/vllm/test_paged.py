@@ -216,11 +216,14 @@ def test_bf16_prefill_reads_its_past_in_bf16(prefill: str, sdpa: torch.dtype, mo
     with pytest.raises(ValueError, match="prefill must be one of"):
         parse({"preset": "kvarn-k2v2-g128", "prefill": "fp16"})
     import kvarn.attention.packed as packed_mod
+    import kvarn.integrations.vllm.paged as paged_mod
 
     monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
     seen = []
-    real = packed_mod._decoded_sdpa
-    monkeypatch.setattr(packed_mod, "_decoded_sdpa", lambda *a: seen.append(a[-1]) or real(*a))
+    real = packed_mod.sdpa_rows
+    spy = lambda *a, **kw: seen.append(a[6]) or real(*a, **kw)  # noqa: E731  (a[6]: the SDPA's dtype)
+    for mod in (packed_mod, paged_mod):  # pieces with no past (through packed_attention), pieces over a decoded one
+        monkeypatch.setattr(mod, "sdpa_rows", spy)
     gen = torch.Generator().manual_seed(11)
     eng = Engine(dtype=torch.bfloat16)
     eng.prefill = prefill
@@ -584,7 +587,8 @@ def test_prefill_pieces_decode_their_past_once(sink_blocks: int, dtype: torch.dt
             m.setattr(paged, "past_view", lambda *a, **k: views.append(1) or real_view(*a, **k))
             m.setattr(paged, "_decoded_past", counted if once else
                       lambda pool, plan, p, i, j, dtype, sdpa, layer, decoded:
-                      decodes.append(1) or real_view(pool, p, j, plan.sink_blocks, dtype, plan, layer))
+                      decodes.append(1) or tuple(x.dequantized(sdpa, dense=True) for x in
+                                                 real_view(pool, p, j, plan.sink_blocks, dtype, plan, layer)))
             gen = torch.Generator().manual_seed(5)
             eng = Engine(sink_blocks=sink_blocks, dtype=dtype)
             eng.poison["a"] = [(3 * G + 2, "k", 1, 0, 3e7)]  # block 3 kept exact (its fp16 scale overflows)
