@@ -410,7 +410,7 @@ def fused_piece(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, q: to
     dense = [] if sink is None else [(sink[0], sink[1], 0)]
     dense.append((k, v, j * g))
     table = torch.tensor([p.blocks[ns:j]], dtype=torch.int32)
-    ok = None if length == 1 else allowed(None, 1, length, j * g + t, q.device)  # causal within block j
+    ok = None if length == 1 else causal(plan, length, j * g + t, q.device)  # causal within block j
     ex = None if plan is None else exact_tiles(pool, plan, p, layer, ns, j)
     if ex is not None:  # the kernel's exact map: (row, head, tile) -> index into the exact rows (float32)
         emap = torch.full((1, pool.geo.num_kv_heads, n), -1, dtype=torch.int32)
@@ -464,7 +464,7 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
                                    kernel=False)  # [1, L, Hq, D]
         output[rows] = out[0]
     for pieces in same.values():  # block j of equally long prompts: one call for all of them (batch axis)
-        out = _batched_pieces(pieces, scale, softcap, sdpa)  # [n, L, Hq, D]
+        out = _batched_pieces(plan, pieces, scale, softcap, sdpa)  # [n, L, Hq, D]
         for (rows, *_), o in zip(pieces, out):
             output[rows] = o
 
@@ -493,7 +493,18 @@ def _batch_key(fresh: bool, j: int, q: torch.Tensor, k: torch.Tensor) -> tuple:
     return fresh, j, q.shape[2], k.shape[1]
 
 
-def _batched_pieces(pieces: list[tuple], scale: float, softcap: float | None, sdpa: torch.dtype) -> torch.Tensor:
+def causal(plan: StepPlan | None, length: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """`allowed(None, 1, length, kv_len)`, built once per step for every layer (kept on the plan; read only)."""
+    if plan is None:
+        return allowed(None, 1, length, kv_len, device)
+    key = (length, kv_len, device)
+    if key not in plan.masks:
+        plan.masks[key] = allowed(None, 1, length, kv_len, device)
+    return plan.masks[key]
+
+
+def _batched_pieces(plan: StepPlan, pieces: list[tuple], scale: float, softcap: float | None,
+                    sdpa: torch.dtype) -> torch.Tensor:
     """Prefill pieces (rows, q [1, Hq, L, D], k, v [H, t, D], past: (K, V) rows of a decoded past, or None) of one
     `_batch_key` as one SDPA call over the batch axis in `sdpa`: [n, L, Hq, D]. A decoded past and the piece's own
     rows are copied once, into one [n, H, past + t, D] buffer: the rows `packed_attention` joins, in its order."""
@@ -503,7 +514,7 @@ def _batched_pieces(pieces: list[tuple], scale: float, softcap: float | None, sd
         return packed_attention(query, torch.stack(k), torch.stack(v), None, None, scale, softcap, kernel=False,
                                 sdpa_dtype=sdpa)
     keys, values = (_joined([x[c] for x in pasts], rows, sdpa) for c, rows in ((0, k), (1, v)))
-    ok = allowed(None, len(pieces), query.shape[2], keys.shape[2], query.device)
+    ok = causal(plan, query.shape[2], keys.shape[2], query.device)
     return sdpa_rows(query, keys, values, ok, None, scale, sdpa, causal=True)
 
 

@@ -72,6 +72,7 @@ class StepPlan:
     exact: dict[int, set[str]] = field(default_factory=dict)
     take_exact: Callable[[int], int] | None = None  # block -> its slot, taken if it has none (`SlotTable.take_exact`)
     batches: dict = field(default_factory=dict)  # pool geometry -> paged.DecodeBatch | None, built by the first layer
+    masks: dict = field(default_factory=dict)  # (L, T) -> causal mask of prefill pieces (`paged.causal`), shared
     # budget presets, the step deciding the key allocation: layer -> block -> exact keys [H, G, D] of the key tiles
     # completed in it, stored once decided (`budget`); attention reads them exact
     held: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
