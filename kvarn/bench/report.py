@@ -60,7 +60,8 @@ def _vllm(res: dict) -> list[Table]:
                  r["kv_tokens"], r["kv_tokens_vs_stock"], r.get("max_num_seqs"), r["wall_s"]] for r in run["rows"]]
         title = (f"vLLM {res['vllm']} on the CPU, {run['kind']}: {run['requests']} requests x "
                  f"({run['prompt_tokens']} prompt + {run['new_tokens']} greedy tokens), {res['dtype']}, KV budget "
-                 f"{run['kv_bytes'] / MB:g} MiB, max_num_seqs={run['max_num_seqs']}")
+                 f"{run['kv_bytes'] / MB:g} MiB, max_num_seqs={run['max_num_seqs']}"
+                 + (f"; the median of {run['rounds']} rounds" if run.get("rounds", 1) > 1 else ""))
         out.append((title, ["engine", "tokens/s", "vs stock", "requests/s", "vs stock", "TTFT s", "TPOT s",
                             "preemptions", "KV tokens", "KV vs stock", "seqs at once", "batch s"], rows))
     return out

@@ -44,6 +44,7 @@ SETTINGS: dict[str, tuple[object, object]] = {
     "vllm_mem_kv_mib": ("128,212,424", "64"),
     "vllm_mem_max_num_seqs": (16, 8),
     "vllm_dtype": ("bfloat16", "bfloat16"),
+    "vllm_rounds": (1, 1),
 }
 HELP = {
     "shapes": "attention head shapes (smollm2 = 9 q / 3 KV heads x 64; qwen3-4b = 32 q / 8 KV x 128)",
@@ -65,6 +66,7 @@ HELP = {
     "vllm_mem_kv_mib": "memory-bound runs: KV budgets (MiB), one run each",
     "vllm_mem_max_num_seqs": "memory-bound runs: vLLM max_num_seqs",
     "vllm_dtype": "the model's dtype in every engine, stock and kvarn alike (bfloat16, float16, float32)",
+    "vllm_rounds": "every engine that many times, in rounds (stock, presets, stock, ...); ratios: the rounds' median",
 }
 
 
@@ -177,9 +179,10 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
             out["sections"]["memory"] = bench_memory(args.model, load_ids, _ints(s["mem_contexts"]),
                                                      _names(s["caches"]), s["mem_steps"])
         elif section == "vllm":
-            from kvarn.bench.vllm import bench_vllm, check_dtype, missing, scenarios
+            from kvarn.bench.vllm import bench_vllm, check_dtype, check_rounds, missing, scenarios
 
             check_dtype(s["vllm_dtype"])  # bad input first, vLLM or not
+            check_rounds(s["vllm_rounds"])
             why = missing()
             if why is not None:
                 raise ValueError(why)
@@ -193,7 +196,7 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
                              s["vllm_kv_gib"], s["vllm_mem_requests"], s["vllm_mem_prompt_tokens"],
                              s["vllm_mem_new_tokens"], _floats(s["vllm_mem_kv_mib"]), s["vllm_mem_max_num_seqs"])
             out["sections"]["vllm"] = bench_vllm(args.model, functools.partial(load_tokens, tok, args.text),
-                                                 _names(s["vllm_presets"]), runs, s["vllm_dtype"])
+                                                 _names(s["vllm_presets"]), runs, s["vllm_dtype"], s["vllm_rounds"])
         if args.json:  # after every section, so a long run that stops early keeps what it measured
             write_json(args.json, out | {"targets": check_targets(out), "wall_s": time.perf_counter() - t0})
     out["targets"] = check_targets(out)

@@ -96,30 +96,69 @@ def check_dtype(dtype: str) -> None:
         raise ValueError(f"kvarn bench vllm: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 
 
-def bench_vllm(model: str, load_ids, presets: list[str], runs: list[Scenario], dtype: str = "bfloat16") -> dict:
+def check_rounds(rounds: int) -> None:
+    if rounds < 1:
+        raise ValueError(f"kvarn bench vllm: rounds must be at least 1, got {rounds}")
+
+
+ROUND_FIGURES = ("tokens_per_s", "requests_per_s", "tokens_per_s_vs_stock", "requests_per_s_vs_stock", "ttft_mean_s",
+                 "tpot_mean_s", "wall_s", "preemptions")
+
+
+def _with_ratios(rows: list[dict]) -> list[dict]:
+    """One round's rows (stock first) with their ratios to stock's."""
+    stock = rows[0]
+    for r in rows:
+        r["tokens_per_s_vs_stock"] = r["tokens_per_s"] / stock["tokens_per_s"]
+        r["requests_per_s_vs_stock"] = r["requests_per_s"] / stock["requests_per_s"]
+        r["kv_tokens_vs_stock"] = (r["kv_tokens"] / stock["kv_tokens"]) if r["kv_tokens"] and stock["kv_tokens"] \
+            else None
+    return rows
+
+
+def _median_row(rounds: list[dict]) -> dict:
+    """An engine's row over its rounds: the round of median tokens/s (lower median), each ratio to stock the median
+    of the rounds' own ratios (each round's engines ran one after another, so a ratio pairs runs close in time), and
+    every round's figures under "rounds"."""
+    if len(rounds) == 1:
+        return rounds[0]
+    mid = (len(rounds) - 1) // 2
+    row = dict(sorted(rounds, key=lambda r: r["tokens_per_s"])[mid])
+    for k in ("tokens_per_s_vs_stock", "requests_per_s_vs_stock"):
+        row[k] = sorted(r[k] for r in rounds)[mid]
+    row["rounds"] = [{k: r.get(k) for k in ROUND_FIGURES} for r in rounds]
+    return row
+
+
+def bench_vllm(model: str, load_ids, presets: list[str], runs: list[Scenario], dtype: str = "bfloat16",
+               rounds: int = 1) -> dict:
     """The section's figures (module docstring); load_ids(n, offset_chars) -> token ids [1, n]. dtype: the model's
-    dtype in every engine (bfloat16, as vLLM serves it on CPUs with native bf16; float32 where the CPU lacks it)."""
+    dtype in every engine (bfloat16, as vLLM serves it on CPUs with native bf16; float32 where the CPU lacks it).
+    rounds: every engine of a run that many times, in rounds (stock, the presets, stock, ...), each engine in a fresh
+    process; the ratios reported are the medians of the rounds' own (a machine whose speed drifts over minutes moves
+    one run's ratio by tens of percent: docs/VLLM.md)."""
     from kvarn.models import resolve
 
     check_dtype(dtype)
+    check_rounds(rounds)
     path = str(resolve(model))
     out_runs = []
     for sc in runs:
         prompts = [load_ids(sc.prompt_tokens, 4000 * i)[0].tolist() for i in range(sc.requests)]
         base = {"model": path, "dtype": dtype, "max_model_len": sc.prompt_tokens + sc.new_tokens + 16,
                 "max_num_seqs": sc.max_num_seqs, "enforce_eager": True, "seed": 0, "kv_cache_memory_bytes": sc.kv_bytes}
-        rows = []
-        for name in ("stock", *presets):
-            llm = base if name == "stock" else {**base, "additional_config": {"kvarn": {"preset": name}}}
-            print(f"kvarn bench vllm: {sc.label}: {name} ...", file=sys.stderr, flush=True)
-            rows.append({"engine": name, **_engine(name, llm, prompts, sc.new_tokens)})
-        stock = rows[0]
-        for r in rows:
-            r["tokens_per_s_vs_stock"] = r["tokens_per_s"] / stock["tokens_per_s"]
-            r["requests_per_s_vs_stock"] = r["requests_per_s"] / stock["requests_per_s"]
-            r["kv_tokens_vs_stock"] = (r["kv_tokens"] / stock["kv_tokens"]) if r["kv_tokens"] and stock["kv_tokens"] \
-                else None
-        out_runs.append({**asdict(sc), "rows": rows})
+        names = ("stock", *presets)
+        done: list[list[dict]] = []  # [round][engine]
+        for k in range(rounds):
+            rows = []
+            for name in names:
+                llm = base if name == "stock" else {**base, "additional_config": {"kvarn": {"preset": name}}}
+                at = f" (round {k + 1} of {rounds})" if rounds > 1 else ""
+                print(f"kvarn bench vllm: {sc.label}: {name}{at} ...", file=sys.stderr, flush=True)
+                rows.append({"engine": name, **_engine(name, llm, prompts, sc.new_tokens)})
+            done.append(_with_ratios(rows))
+        out_runs.append({**asdict(sc), "rounds": rounds,
+                         "rows": [_median_row([rows[e] for rows in done]) for e in range(len(names))]})
     import vllm
 
     return {"vllm": vllm.__version__, "model": model, "dtype": dtype,

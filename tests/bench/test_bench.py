@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -106,6 +108,8 @@ def test_bench_bad_input_is_a_clear_error(tiny, capsys):
     assert "gpt5" in capsys.readouterr().err
     assert main(["bench", "vllm", "--quick", "--vllm-dtype", "int8"]) == 2
     assert "dtype 'int8' is not one of bfloat16, float16, float32" in capsys.readouterr().err
+    assert main(["bench", "vllm", "--quick", "--vllm-rounds", "0"]) == 2
+    assert "rounds must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_bench_vllm_without_vllm_names_the_fix(monkeypatch, capsys):
@@ -148,6 +152,47 @@ def test_bench_vllm_table_and_schema(tmp_path):
     assert ("kvarn-k2v2-g128, 32 x (2048 + 256), 212 MiB", "met") in verdicts  # 2.5x stock requests/s
     assert ("kvarn-k4v2-g128, 8 x (512 + 128)", "not measured") in verdicts
     assert [p.name for p in plots(result, tmp_path)] == ["bench-vllm-memory.png"]
+
+
+def test_bench_vllm_rounds_report_median_ratios(monkeypatch, tmp_path):
+    """--vllm-rounds N: every engine runs N times in rounds (stock, presets, stock, ...); a row is the engine's median
+    round, its ratios the medians of each round's own ratios (a slow round of stock and kvarn alike moves no ratio),
+    every round kept; one round gives the rows as before (no "rounds" in them). Engines faked, no vLLM."""
+    import kvarn.models
+    from kvarn.bench import vllm as bv
+    from kvarn.bench.report import tables
+
+    speed = {"stock": [10.0, 5.0, 10.0], "kvarn-k2v2-g128": [9.0, 4.0, 8.0]}  # round 2: the machine at half speed
+    calls = []
+
+    def fake(name, llm, prompts, new_tokens):
+        k = sum(c == name for c in calls)
+        calls.append(name)
+        tps = speed[name][k]
+        return {"tokens_per_s": tps, "requests_per_s": tps / 100, "wall_s": 100 / tps, "ttft_mean_s": 1.0,
+                "tpot_mean_s": 0.1, "preemptions": 0, "kv_tokens": 100 if name == "stock" else 600,
+                "max_num_seqs": 8, "generated_tokens": 8, "requests": 8}
+
+    monkeypatch.setattr(bv, "_engine", fake)
+    monkeypatch.setattr(kvarn.models, "resolve", lambda model: tmp_path)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.0-fake"))  # its version, read
+    sc = bv.scenarios([8], [16], 4, 1.0, 0, 16, 4, [], 8)
+    ids = lambda n, offset: torch.zeros(1, n, dtype=torch.long)  # noqa: E731
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        bv.bench_vllm("default", ids, ["kvarn-k2v2-g128"], sc, rounds=0)
+    res = bv.bench_vllm("default", ids, ["kvarn-k2v2-g128"], sc, rounds=3)
+    assert calls == ["stock", "kvarn-k2v2-g128"] * 3  # in rounds, not one engine three times in a row
+    run = res["runs"][0]
+    stock, kv = run["rows"]
+    assert run["rounds"] == 3 and len(kv["rounds"]) == 3
+    assert [r["tokens_per_s_vs_stock"] for r in kv["rounds"]] == [0.9, 0.8, 0.8]
+    assert kv["tokens_per_s_vs_stock"] == 0.8 and stock["tokens_per_s_vs_stock"] == 1.0  # medians of the ratios
+    assert kv["tokens_per_s"] == 8.0 and stock["tokens_per_s"] == 10.0  # each engine's median round
+    assert kv["kv_tokens_vs_stock"] == 6.0
+    assert "the median of 3 rounds" in tables({"sections": {"vllm": {**res}}})[0][0]
+    calls.clear()
+    one = bv.bench_vllm("default", ids, ["kvarn-k2v2-g128"], sc)["runs"][0]
+    assert one["rounds"] == 1 and "rounds" not in one["rows"][1] and one["rows"][1]["tokens_per_s_vs_stock"] == 0.9
 
 
 @pytest.mark.parametrize("batch", [1, 3])
