@@ -158,7 +158,7 @@ def bench_vllm(model: str, load_ids, presets: list[str], runs: list[Scenario], d
                 rows.append({"engine": name, **_engine(name, llm, prompts, sc.new_tokens)})
             done.append(_with_ratios(rows))
         out_runs.append({**asdict(sc), "rounds": rounds,
-                         "rows": [_median_row([rows[e] for rows in done]) for e in range(len(names))]})
+                         "rows": [_median_row([rnd[e] for rnd in done]) for e in range(len(names))]})
     import vllm
 
     return {"vllm": vllm.__version__, "model": model, "dtype": dtype,
