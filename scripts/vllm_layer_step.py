@@ -18,7 +18,8 @@ step over all of them, so that, as in the engine, a layer's rows are no longer i
 --context N: the first request's context (default 512; the others 7 tokens more each);
 --parts times the decode kernel call alone (1 pool, 1 thread, CPU time, best of 7 rounds) with its work cut down:
 whole, packed tiles only, dense rows (sinks and current blocks) only, neither: the fixed cost per call, and what a
-packed token and a dense row cost above it. Used for docs/VLLM.md.
+packed token and a dense row cost above it; then the same dense rows gathered into one contiguous segment, bf16 and
+float32 (what the row ids cost; whether the bytes read bound the rows). Used for docs/VLLM.md.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ import time
 
 import torch
 
+from kvarn.attention import launch as kernel
 from kvarn.integrations.vllm import paged
 from kvarn.integrations.vllm.layout import TileLayout, choose_geometry
 from kvarn.integrations.vllm.pool import LayerPool, SlotTable
+from kvarn.ops.decode import indexed_rows
 from kvarn.presets import get_preset
 
 H, HQ, D, G, R, LAYERS = 3, 9, 64, 128, 8, 30
@@ -165,6 +168,31 @@ def parts(pool: LayerPool, plan) -> None:
     print(f"fixed cost per call {ms['neither'] * 1e3:.0f} us; a packed token and KV head "
           f"{(ms['tiles only'] - ms['neither']) * 1e6 / tokens:.1f} ns; a dense row and KV head "
           f"{(ms['dense only'] - ms['neither']) * 1e6 / rows:.1f} ns ({tokens} and {rows} in the call)")
+    # the same dense rows gathered into one contiguous segment [B, H, t, D] (the transformers cache's form), in the
+    # pool's bf16 and in float32: what reading them through row ids costs, and whether the bytes read bound them
+    k, v = indexed_rows(pool.rows, batch.dense_index)
+    none = dataclasses.replace(batch, n_blocks=torch.zeros_like(batch.n_blocks))
+    for dtype in (torch.bfloat16, torch.float32):
+        kd, vd = k.to(dtype).contiguous(), v.to(dtype).contiguous()
+
+        def call(kd: torch.Tensor = kd, vd: torch.Tensor = vd) -> torch.Tensor:
+            return kernel.decode_attention(q.float()[:, :, None], kernel.PackedTiles.pool(pool.key_fields),
+                                           kernel.PackedTiles.pool(pool.value_fields), none.table, none.n_blocks, G,
+                                           scaling=D ** -0.5, bias=none.bias, validate=False,
+                                           dense=[(kd, vd, none.tiles_len)])
+
+        assert dtype != torch.bfloat16 or torch.equal(call()[:, :, 0], paged.batched_decode(pool, none, q, D ** -0.5,
+                                                                                              None))
+        t = min(_cpu_ms(call) for _ in range(7))
+        print(f"dense only, the rows as one contiguous {str(dtype).removeprefix('torch.')} segment: {t:.3f} ms "
+              f"({(t - ms['neither']) * 1e6 / rows:.1f} ns a row and KV head)")
+
+
+def _cpu_ms(f, n: int = 200) -> float:
+    t0 = time.process_time()
+    for _ in range(n):
+        f()
+    return (time.process_time() - t0) / n * 1e3
 
 
 if __name__ == "__main__":
