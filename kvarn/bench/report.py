@@ -61,7 +61,8 @@ def _vllm(res: dict) -> list[Table]:
         title = (f"vLLM {res['vllm']} on the CPU, {run['kind']}: {run['requests']} requests x "
                  f"({run['prompt_tokens']} prompt + {run['new_tokens']} greedy tokens), {res['dtype']}, KV budget "
                  f"{run['kv_bytes'] / MB:g} MiB, max_num_seqs={run['max_num_seqs']}"
-                 + (f"; the median of {run['rounds']} rounds" if run.get("rounds", 1) > 1 else ""))
+                 + (f"; the {'lower ' if run['rounds'] % 2 == 0 else ''}median of {run['rounds']} rounds"
+                    if run.get("rounds", 1) > 1 else ""))
         out.append((title, ["engine", "tokens/s", "vs stock", "requests/s", "vs stock", "TTFT s", "TPOT s",
                             "preemptions", "KV tokens", "KV vs stock", "seqs at once", "batch s"], rows))
     return out
