@@ -6,7 +6,9 @@ a saved run (`torch.equal`), for a refactor meant to change no arithmetic.
 
 Inputs: `tests.helpers.kernel_outputs` (7 presets x float32/bf16/fp16 x GQA ratios 1/3/4, with padding masks,
 through the kernels: KVARN_KERNEL=cpu); plus the vLLM backend's batched
-decode over the page pool of `scripts/vllm_layer_step.py` (fp slot rows read through row ids). FILE defaults to
+decode over the page pool of `scripts/vllm_layer_step.py` (fp slot rows read through row ids) and the outputs of the
+paged engine of tests/integrations/vllm/test_paged.py (chunked prefill pieces and decode rows, both prefill routes), so
+a refactor of the backend's Python is checked to the bit as well. FILE defaults to
 /tmp/kvarn-kernel-bitcheck.pt. The float64-oracle tests (tests/kernels) bound the arithmetic; this shows that a
 change kept it to the bit.
 """
@@ -39,6 +41,32 @@ def paged_output() -> torch.Tensor:
     return paged.batched_decode(b.pools[0], paged.decode_batch(plan, b.pools[0]), q, D ** -0.5, None)
 
 
+def engine_outputs() -> dict[str, torch.Tensor]:
+    """The paged engine of tests/integrations/vllm/test_paged.py (G = 16) over chunked prefill and decode steps of two
+    requests, float32 and bf16, sink blocks 0 and 1, with prefill pieces served by folding the tiles into the logits
+    (FOLD_MAX_ROWS 128) and by SDPA over the decoded past (8): the backend's own arithmetic around the kernels."""
+    import kvarn.attention.packed as packed_mod
+    from tests.integrations.vllm.test_paged import Engine, G
+
+    outs, fold = {}, packed_mod.FOLD_MAX_ROWS
+    try:
+        for rows in (128, 8):
+            packed_mod.FOLD_MAX_ROWS = rows
+            for dtype in (torch.float32, torch.bfloat16):
+                for sink in (0, 1):
+                    gen = torch.Generator().manual_seed(5)
+                    eng = Engine(sink_blocks=sink, dtype=dtype)
+                    eng.add("a")
+                    eng.add("b")
+                    for n, work in enumerate(({"a": 5 * G + 3, "b": 2 * G + 1}, {"a": 1, "b": 3 * G}, {"a": 1, "b": 1},
+                                              {"b": 2 * G + 7, "a": 4 * G})):
+                        for rid, o in eng.step(work, gen).items():
+                            outs[f"vllm engine fold {rows} {dtype} sink {sink} step {n} {rid}"] = o
+    finally:
+        packed_mod.FOLD_MAX_ROWS = fold
+    return outs
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in ("save", "compare"):
         sys.exit(__doc__)
@@ -46,6 +74,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="kvarn. key tiles stored before any query")
     outs = kernel_outputs()
     outs["vllm batched decode"] = paged_output()
+    outs.update(engine_outputs())
     if sys.argv[1] == "save":
         torch.save(outs, path)
         print(f"saved {len(outs)} outputs to {path}")
