@@ -154,14 +154,7 @@ def parts(pool: LayerPool, plan) -> None:
     ms = {}
     for name, cut in cases.items():
         b = dataclasses.replace(batch, **cut)
-        paged.batched_decode(pool, b, q, D ** -0.5, None)
-        rounds = []
-        for _ in range(7):
-            t0 = time.process_time()
-            for _ in range(200):
-                paged.batched_decode(pool, b, q, D ** -0.5, None)
-            rounds.append((time.process_time() - t0) / 200 * 1e3)
-        ms[name] = min(rounds)
+        ms[name] = _best_ms(lambda b=b: paged.batched_decode(pool, b, q, D ** -0.5, None))
         print(f"kernel call, {name}: {ms[name]:.3f} ms (CPU time, 1 thread, best of 7 rounds of 200)")
     tokens = int(batch.n_blocks.sum()) * G * H  # packed (token, KV head) pairs of the call
     rows = int((batch.bias[:, 0, 0, batch.tiles_len:] == 0).sum()) * H  # dense (row, KV head) pairs the mask allows
@@ -171,7 +164,7 @@ def parts(pool: LayerPool, plan) -> None:
     # the same dense rows gathered into one contiguous segment [B, H, t, D] (the transformers cache's form), in the
     # pool's bf16 and in float32: what reading them through row ids costs, and whether the bytes read bound them
     k, v = indexed_rows(pool.rows, batch.dense_index)
-    none = dataclasses.replace(batch, n_blocks=torch.zeros_like(batch.n_blocks))
+    none = dataclasses.replace(batch, **no_tiles)
     for dtype in (torch.bfloat16, torch.float32):
         kd, vd = k.to(dtype).contiguous(), v.to(dtype).contiguous()
 
@@ -183,16 +176,21 @@ def parts(pool: LayerPool, plan) -> None:
 
         assert dtype != torch.bfloat16 or torch.equal(call()[:, :, 0], paged.batched_decode(pool, none, q, D ** -0.5,
                                                                                               None))
-        t = min(_cpu_ms(call) for _ in range(7))
+        t = _best_ms(call)
         print(f"dense only, the rows as one contiguous {str(dtype).removeprefix('torch.')} segment: {t:.3f} ms "
               f"({(t - ms['neither']) * 1e6 / rows:.1f} ns a row and KV head)")
 
 
-def _cpu_ms(f, n: int = 200) -> float:
-    t0 = time.process_time()
-    for _ in range(n):
-        f()
-    return (time.process_time() - t0) / n * 1e3
+def _best_ms(f, rounds: int = 7, calls: int = 200) -> float:
+    """CPU ms of one call of f: after one untimed call, the best of `rounds` rounds of `calls` calls."""
+    f()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.process_time()
+        for _ in range(calls):
+            f()
+        best = min(best, (time.process_time() - t0) / calls * 1e3)
+    return best
 
 
 if __name__ == "__main__":
