@@ -30,21 +30,23 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from kvarn.ops.hadamard import hadamard_dense
-from kvarn.ops.seats import supported
+from kvarn.ops.seats import Seat, supported
 from kvarn.quant.tiles import AffineTiles
 
 KERNEL_BITS = (1, 2, 3, 4, 8)
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 DENSE_DTYPES = (torch.float16, torch.bfloat16)  # dense rows read in these dtypes as they are (others: float32)
 MIN_TILES_PER_SPLIT = 8
-SEAT = torch.ops.kvarn.packed_decode.default  # the op seat (kvarn.ops.seats); kernels register behind it
+SEAT = Seat("packed_decode")  # the op seat (kvarn.ops.seats); kernels register behind it
 
 _EMPTY = torch.empty(0)
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
+_EMPTY_INT = torch.empty(0, dtype=torch.int32)
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,13 @@ class PackedTiles:
                 raise ValueError(f"{what}: field {name} has dtype {t.dtype} (codes and flags: uint8; scales: "
                                  f"{SCALE_DTYPES})")
 
-    def args(self) -> tuple[list[torch.Tensor], list[int]]:
+    @cached_property
+    def seat_args(self) -> tuple[list[torch.Tensor], list[int], int, int]:
+        """The seat's arguments for these fields: tensors, strides, bits, rotation code (once per object: a page
+        pool keeps its own, `LayerPool.tiles`)."""
         t = self.tiles
         tensors = [_EMPTY if v is None else v for v in (t.codes, t.row_scale, t.row_zero, t.col_scale, t.rotated)]
-        return tensors, [s for st in self.strides for s in st]
+        return tensors, [s for st in self.strides for s in st], self.bits, t.fmt.rotation
 
 
 def _strides(tiles: AffineTiles, of) -> tuple[tuple[int, int, int], ...]:
@@ -191,9 +196,7 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
                          f"{tuple(block_table.shape)} and {tuple(n_blocks.shape)}")
     qs = _f32(qs).contiguous()
     qh = qs if qh is None else _f32(qh).contiguous()
-    kt, ks = keys.args()
-    vt, vs = values.args()
-    em, ek, ev = exact if exact is not None else (_EMPTY, _EMPTY, _EMPTY)
+    em, ek, ev = exact if exact is not None else (_EMPTY_INT, _EMPTY, _EMPTY)
     keep = [DENSE_DTYPES if k.dtype == v.dtype else () for k, v, _ in dense]  # 16-bit rows as they are, in pairs
     dk = [_rows(k, kp) for (k, _, _), kp in zip(dense, keep)]
     dv = [_rows(v, kp) for (_, v, _), kp in zip(dense, keep)]
@@ -201,13 +204,37 @@ def decode_partial(qs: torch.Tensor, qh: torch.Tensor | None, keys: PackedTiles,
         bias = _rows(bias).expand(b, *bias.shape[1:])
     s = splits or auto_splits(b, h, block_table.shape[1])
     h_arg = _EMPTY if hadamard is None else _f32(hadamard).contiguous()
-    out_p, out_r = SEAT(
-        qs, qh, h_arg, float(scale), kt, ks, keys.bits, keys.tiles.fmt.rotation, vt, vs, values.bits,
-        values.tiles.fmt.rotation,
-        _int32(block_table), _int32(n_blocks), tile, _int32(em).contiguous(), _f32(ek).contiguous(),
-        _f32(ev).contiguous(), dk, dv, [p for _, _, p in dense], tiles_pos,
-        _EMPTY if bias is None else bias, length, float(softcap or 0.0), s, *(paged or (_EMPTY, _EMPTY_LONG, 0)))
+    out_p, out_r = _launch(qs, qh, h_arg, scale, keys, values, _int32(block_table), _int32(n_blocks), tile,
+                           (_int32(em).contiguous(), _f32(ek).contiguous(), _f32(ev).contiguous()), dk, dv,
+                           [p for _, _, p in dense], tiles_pos, _EMPTY if bias is None else bias, length, softcap, s,
+                           paged or (_EMPTY, _EMPTY_LONG, 0))
     return out_p, (out_r if out_r.numel() else None)
+
+
+def _launch(qs: torch.Tensor, qh: torch.Tensor, hadamard: torch.Tensor, scale: float, keys: PackedTiles,
+            values: PackedTiles, block_table: torch.Tensor, n_blocks: torch.Tensor, tile: int,
+            exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dense_k: list[torch.Tensor],
+            dense_v: list[torch.Tensor], dense_pos: list[int], tiles_pos: int, bias: torch.Tensor, length: int,
+            softcap: float | None, splits: int, paged: tuple[torch.Tensor, torch.Tensor, int]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seat call, every argument in the kernel's types already (the one place that orders them)."""
+    return SEAT(qs, qh, hadamard, float(scale), *keys.seat_args, *values.seat_args, block_table, n_blocks, tile,
+                *exact, dense_k, dense_v, dense_pos, tiles_pos, bias, length, float(softcap or 0.0), splits, *paged)
+
+
+def decode_rows(q: torch.Tensor, keys: PackedTiles, values: PackedTiles, block_table: torch.Tensor,
+                n_blocks: torch.Tensor, tile: int, paged: tuple[torch.Tensor, torch.Tensor, int], bias: torch.Tensor,
+                scale: float, softcap: float | None = None) -> torch.Tensor:
+    """`decode_attention` of one position per row as a serving step holds it: q float32 [B, Hkv, groups, D]
+    contiguous (row j = query head h*groups + j), the tables int32, the indexed rows and their bias float32
+    [B, 1, 1, T] built and checked once per step (`kvarn.integrations.vllm.paged.DecodeBatch`); nothing is
+    converted or checked per call, since every torch call costs microseconds in each layer of each step ->
+    float32 [B, Hkv, groups, D]."""
+    rotated = keys.rotate != "none" or values.rotate != "none"
+    h = hadamard_dense(q.shape[-1], device=q.device) if rotated else _EMPTY
+    out, _ = _launch(q, q, h, scale, keys, values, block_table, n_blocks, tile, (_EMPTY_INT, _EMPTY, _EMPTY), [], [],
+                     [], 0, bias, 1, softcap, auto_splits(q.shape[0], q.shape[1], block_table.shape[1]), paged)
+    return out
 
 
 def decode_attention(query: torch.Tensor, keys: PackedTiles, values: PackedTiles, block_table: torch.Tensor,

@@ -35,14 +35,14 @@ from kvarn.ops.dispatch import use_kernel
 from kvarn.ops.hadamard import hadamard_dense, hadamard_transform
 from kvarn.ops.packing import pack_codes, unpack_codes
 from kvarn.ops.rtn import check_bits, check_clip, query_aware_bases, query_aware_round, rtn_quantize, rtn_targets
-from kvarn.ops.seats import supported
+from kvarn.ops.seats import Seat, supported
 from kvarn.ops.varn import DEFAULT_ITERS, varn
 from kvarn.quant.base import TileQuantizer, check_tiles
 from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy, kernel_weighted
 from kvarn.quant.tiles import REFINE_BITS, AffineFormat, AffineTiles
 
-STORE_SEAT = torch.ops.kvarn.tile_store.default  # the op seat (kvarn.ops.seats); the C++ kernel serves CPU tiles
-COEF_SEAT = torch.ops.kvarn.query_aware_coefficients.default
+STORE_SEAT = Seat("tile_store")  # the op seat (kvarn.ops.seats); the C++ kernel serves CPU tiles
+COEF_SEAT = Seat("query_aware_coefficients")
 Axis = Literal["channel", "token"]
 Rotate = Literal["none", "hadamard", "auto"]
 

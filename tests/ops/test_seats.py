@@ -15,6 +15,7 @@ import kvarn.attention.launch as decode_mod
 import kvarn.quant.affine as affine
 from kvarn.attention import fused
 from kvarn.integrations.transformers import KVarNCache
+from kvarn.ops import seats
 from kvarn.ops.decode import packed_decode_reference
 from kvarn.ops.dispatch import mode
 from kvarn.ops.rtn import query_aware_bases
@@ -146,6 +147,26 @@ def test_packed_decode_opcheck_and_reference(preset, length, bias, softcap, monk
         assert a.shape == r.shape and a.dtype == r.dtype
         if a.numel():
             assert float((a - r).abs().max()) <= 1e-5 * (1 + float(r.abs().max()))
+
+
+@needs_kernel
+def test_seat_calls_the_registered_kernel_directly(monkeypatch, seed):
+    """`Seat` (what kvarn's own callers call) runs the kernel registered for the argument's device without the
+    dispatcher, and gives the op's outputs to the bit; a device with no kernel (and dynamo) gets the op itself."""
+    args, _ = _decode_args("kvarn-auto-k2v2-g64", monkeypatch, seed, 1, False, None)
+    seat = seats.Seat("packed_decode")
+    want = torch.ops.kvarn.packed_decode.default(*args)
+    calls = []
+    real = seats._KERNELS["packed_decode", "cpu"]
+    monkeypatch.setitem(seats._KERNELS, ("packed_decode", "cpu"), lambda *a: calls.append(1) or real(*a))
+    got = seat(*args)
+    assert calls == [1] and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    monkeypatch.delitem(seats._KERNELS, ("packed_decode", "cpu"))  # no kernel for the device: the op
+    assert all(torch.equal(a, b) for a, b in zip(seat(*args), want, strict=True)) and calls == [1]
+    monkeypatch.setitem(seats._KERNELS, ("packed_decode", "cpu"), lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # what dynamo's trace sees
+    seat(*args)
+    assert calls == [1]
 
 
 def test_dispatch_is_one_rule(monkeypatch):

@@ -176,17 +176,15 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
     done_k, done_v, done_blocks, done_where = [], [], [], []
     batch = decode_batch(plan, pool)
     if batch is not None:  # every decode row at once: its fresh K, V rows straight into their fp slots
-        pool.rows[batch.write_blk, :, batch.write_sub] = torch.stack(
-            [key[batch.token_rows], value[batch.token_rows]], 1).to(fp)  # [B, 2, H, D]
+        fresh = torch.stack([key[batch.rows], value[batch.rows]], 1)  # [B, 2, H, D]
+        pool.rows[batch.write_blk, :, batch.write_sub] = fresh if fresh.dtype == fp else fresh.to(fp)
         if batch.done_blocks:  # the blocks these tokens complete: their exact rows, now all in their slots
             kv = pool.rows[batch.done_blk, :, batch.done_sub].to(key.dtype)  # [n, 2, G, H, D]
             done_k.extend(kv[:, 0].transpose(1, 2).unbind(0))
             done_v.extend(kv[:, 1].transpose(1, 2).unbind(0))
             done_blocks.extend(batch.done_blocks)
             done_where.extend(batch.done_where)
-    for i, p, j, rows, hi in _pieces(plan, g):
-        if batch is not None and i in batch.request_set:
-            continue
+    for i, p, j, rows, hi in _pieces(plan, g) if batch is None else batch.others:
         nc = p.computed
         fk = key[rows].transpose(0, 1)  # [H, t, D]
         fv = value[rows].transpose(0, 1)
@@ -416,8 +414,7 @@ def fused_piece(pool: LayerPool, p: RequestPlan, j: int, sink_blocks: int, q: to
         emap = torch.full((1, pool.geo.num_kv_heads, n), -1, dtype=torch.int32)
         emap[ex[0][:, 0], ex[0][:, 1], ex[0][:, 2]] = torch.arange(len(ex[0]), dtype=torch.int32)
         ex = (emap, ex[1].float(), ex[2].float())
-    out = kernel.decode_attention(q, kernel.PackedTiles.pool(pool.key_fields),
-                                  kernel.PackedTiles.pool(pool.value_fields), table,
+    out = kernel.decode_attention(q, *pool.tiles, table,
                                   torch.tensor([n], dtype=torch.int32), g, scaling=scale, dense=dense,
                                   tiles_pos=ns * g, bias=None if ok is None else fused.bias(None, ok),
                                   softcap=softcap, exact=ex)
@@ -435,18 +432,19 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
     batch = decode_batch(plan, pool)
     batched = batch is not None and not any(layer in marked for marked in plan.exact.values())
     if batched:
-        output[batch.token_rows] = batched_decode(pool, batch, query[batch.token_rows], scale,
-                                                  softcap).to(output.dtype)
+        out = batched_decode(pool, batch, query[batch.rows], scale, softcap)
+        if isinstance(batch.rows, slice):
+            output[batch.rows] = out  # one copy, cast to output's dtype
+        else:
+            output[batch.rows] = out.to(output.dtype)
     # A bf16 model's prefill reads its decoded past in bf16, as stock vLLM reads its bf16 pages (the rounding, 2^-9
     # relative, is far below the codes' error; SDPA is faster in bf16 on a CPU with AMX-BF16: docs/VLLM.md).
     sdpa = torch.bfloat16 if prefill == "model" and query.dtype == torch.bfloat16 else compute_dtype(query.dtype)
     decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request -> its past decoded once (prefill pieces)
     same: dict[tuple, list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]]] = {}
     groups = query.shape[1] // pool.geo.num_kv_heads
-    for i, p, j, rows, _ in _pieces(plan, g):
-        if batch is not None and i in batch.request_set:
-            if batched:
-                continue
+    for i, p, j, rows, _ in batch.others if batched else _pieces(plan, g):
+        if batch is not None and i in batch.request_set:  # a decode row of a layer that holds exact tiles
             exact[(i, j)] = _slot_rows(pool, p, j, query.dtype)  # write_step put them in the slot only
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, L, D]
         k, v = exact[(i, j)]
@@ -564,6 +562,8 @@ class DecodeBatch:
     done_where: list[tuple[RequestPlan, int]]  # (request, logical block) of each
     done_blk: torch.Tensor  # [n, 2, G]
     done_sub: torch.Tensor
+    others: list[tuple[int, RequestPlan, int, slice, int]]  # the step's other pieces (`_pieces`), listed once
+    rows: slice | torch.Tensor  # token_rows as a slice where they are consecutive (a view, not a gather)
 
 
 def decode_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
@@ -642,10 +642,12 @@ def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
     def to(t: torch.Tensor) -> torch.Tensor:
         return t.to(dev, non_blocking=True)
 
-    return DecodeBatch(reqs, frozenset(reqs), to(torch.tensor(tok)), to(write_blk), to(write_sub), to(dense_index),
+    chosen = frozenset(reqs)
+    return DecodeBatch(reqs, chosen, to(torch.tensor(tok)), to(write_blk), to(write_sub), to(dense_index),
                        to(table), to(n_blocks), tiles_len, to(bias), sb * g,
                        to(torch.tensor(ns, dtype=torch.int32)), to(cur_row_t.to(torch.int32) + 1), done, done_where,
-                       to(done_blk), to(done_sub))
+                       to(done_blk), to(done_sub), [x for x in _pieces(plan, g) if x[0] not in chosen],
+                       slice(tok[0], tok[0] + b) if tok == list(range(tok[0], tok[0] + b)) else to(torch.tensor(tok)))
 
 
 def batched_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, scale: float,
@@ -657,11 +659,11 @@ def batched_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, scale: 
         return triton_decode(pool, batch, q, k, v, scale, softcap)
     # the sink and current-block rows read in place through their row ids; fields, table and index checked once per
     # step by `_build_batch`
-    out = kernel.decode_attention(q[:, :, None], kernel.PackedTiles.pool(pool.key_fields),
-                                  kernel.PackedTiles.pool(pool.value_fields), batch.table, batch.n_blocks,
-                                  pool.layout.tile, scaling=scale, tiles_pos=0, bias=batch.bias, softcap=softcap,
-                                  validate=False, paged=(pool.rows, batch.dense_index, batch.tiles_len))
-    return out[:, :, 0]
+    b, hq, d = q.shape
+    qf = q.to(torch.float32, memory_format=torch.contiguous_format).view(b, pool.geo.num_kv_heads, -1, d)
+    out = kernel.decode_rows(qf, *pool.tiles, batch.table, batch.n_blocks, pool.layout.tile,
+                             (pool.rows, batch.dense_index, batch.tiles_len), batch.bias, scale, softcap)
+    return out.view(b, hq, d)
 
 
 def triton_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

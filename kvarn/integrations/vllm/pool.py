@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvarn.attention.launch import PackedTiles
 from kvarn.integrations.vllm.layout import PageGeometry
 from kvarn.quant.policy import QueryEnergy, query_statistics
 
@@ -289,6 +290,8 @@ class LayerPool:
         self.n_slots = nb // self.k
         self.share = self.runs[:, :, split:split + lay.tile * geo.e]  # [num_blocks, H, G*e]
         self.key_fields, self.value_fields = lay.views(self.runs)  # name -> [num_blocks, H, *shape], zero copy
+        # the fields as the decode kernel addresses them (block, head), built once: their seat arguments are cached
+        self.tiles = PackedTiles.pool(self.key_fields), PackedTiles.pool(self.value_fields)
         # The fp rows of the shares as one strided view [num_blocks, H, rows_per_block, D] in the fp dtype (every
         # share holds whole rows: `TileLayout.share_choices`): row r of kind c (0 K, 1 V) of slot s, head h, is
         # rows[s*k + (c*G + r) // rpb, h, (c*G + r) % rpb] (`slot_rows`).

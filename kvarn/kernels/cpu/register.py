@@ -37,9 +37,6 @@ def _extension_support() -> str | None:
 # Library.impl, not torch.library.register_kernel: the latter wraps each call in a dynamo-disabled frame (~10 us on
 # every decode step of every layer)
 _LIB = torch.library.Library("kvarn", "IMPL")
-_LIB.impl("tile_store", _tile_store, "CPU")
-_LIB.impl("packed_decode", _packed_decode, "CPU")
-_LIB.impl("query_aware_coefficients", _coefficients, "CPU")
-seats.register_support("tile_store", "cpu", store.unsupported)
-seats.register_support("packed_decode", "cpu", _extension_support)
-seats.register_support("query_aware_coefficients", "cpu", _extension_support)
+seats.register_kernel(_LIB, "tile_store", "cpu", _tile_store, store.unsupported)
+seats.register_kernel(_LIB, "packed_decode", "cpu", _packed_decode, _extension_support)
+seats.register_kernel(_LIB, "query_aware_coefficients", "cpu", _coefficients, _extension_support)

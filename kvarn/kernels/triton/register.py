@@ -59,5 +59,4 @@ def packed_decode(q, qh, hadamard, scale, key_fields, key_strides, key_bits, key
 
 
 _LIB = torch.library.Library("kvarn", "IMPL")
-_LIB.impl("packed_decode", packed_decode, "CUDA")
-seats.register_support("packed_decode", "cuda", unsupported)
+seats.register_kernel(_LIB, "packed_decode", "cuda", packed_decode, unsupported)

@@ -151,9 +151,9 @@ def test_budget_allocation_scores_binds_and_matches_oracle(kernel: str, monkeypa
     if kernel == "cpu" and not paged.kernel.available():
         pytest.skip("the CPU kernel cannot be built here")
     monkeypatch.setenv("KVARN_KERNEL", kernel)
-    calls: list[int] = []  # the fused kernel's calls, by key code width
-    real = paged.kernel.decode_attention
-    monkeypatch.setattr(paged.kernel, "decode_attention", lambda q, kf, *a, **k: calls.append(
+    calls: list[int] = []  # the fused kernel's batched decode calls, by key code width
+    real = paged.kernel.decode_rows
+    monkeypatch.setattr(paged.kernel, "decode_rows", lambda q, kf, *a, **k: calls.append(
         kf.bits) or real(q, kf, *a, **k))
     # pages of all three classes (as sized for the most high layers), so the decision can use every key width; the
     # sizing vLLM gets (`budget.sized_split`: the most promoted layers, (1, 3) here) is test_page_classes_...'s

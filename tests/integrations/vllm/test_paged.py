@@ -26,6 +26,13 @@ from kvarn.presets import affine_preset
 G, D, H, HQ = 16, 16, 2, 4
 
 
+def _count_kernel_calls(monkeypatch, calls: list) -> None:
+    """Count the fused kernel's calls: pieces (`decode_attention`) and batched decode rows (`decode_rows`)."""
+    for name in ("decode_attention", "decode_rows"):
+        real = getattr(paged.kernel, name)
+        monkeypatch.setattr(paged.kernel, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+
+
 @pytest.fixture(params=["torch", "cpu"])
 def read_path(request, monkeypatch):
     """KVARN_KERNEL for the test; under "cpu", counts the kernel's calls (the test asserts it served some)."""
@@ -35,8 +42,7 @@ def read_path(request, monkeypatch):
             from kvarn.kernels.cpu.build import error
 
             pytest.skip(f"the CPU kernel cannot be built here: {error()}")
-        real = paged.kernel.decode_attention
-        monkeypatch.setattr(paged.kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+        _count_kernel_calls(monkeypatch, calls)
     monkeypatch.setenv("KVARN_KERNEL", request.param)
     yield calls
     assert bool(calls) == (request.param == "cpu")
@@ -286,8 +292,7 @@ def test_prefill_pieces_take_pytorch_under_kvarn_kernel_cpu(monkeypatch) -> None
     if not paged.kernel.available():
         pytest.skip("the CPU kernel cannot be built here")
     calls = []
-    real = paged.kernel.decode_attention
-    monkeypatch.setattr(paged.kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _count_kernel_calls(monkeypatch, calls)
     monkeypatch.setattr(fused, "MAX_QUERIES", 4)
     monkeypatch.setenv("KVARN_KERNEL", "cpu")
     gen = torch.Generator().manual_seed(2)
@@ -548,15 +553,16 @@ def test_mixed_batch_matches_oracle(read_path, monkeypatch) -> None:
     module docstring (1e-4): the batched decode call adds only padding rows masked with -inf, whose weights are
     exactly 0, so its error is the per-request path's (float32 accumulation). Under KVARN_KERNEL=cpu every step's
     decode rows are served by one kernel call (sizes recorded below), prefill pieces by PyTorch."""
-    sizes = []
+    sizes, rows = [], []
     real = paged.batched_decode
     monkeypatch.setattr(paged, "batched_decode", lambda pool, batch, *a: sizes.append(len(batch.requests)) or
-                        real(pool, batch, *a))
+                        rows.append(isinstance(batch.rows, slice)) or real(pool, batch, *a))
     _mixed_steps(Engine(sink_blocks=1), torch.Generator().manual_seed(13), check=True)
     if paged.fused.mode() == "torch":
         assert not sizes
     else:  # a, c, e (b is prefilling); then a, c, b, e; then all five
         assert sizes == [3, 4, 5, 5, 5], sizes
+        assert rows == [False, False, True, True, True], rows  # decode rows between pieces: gathered, else a view
 
 
 @pytest.mark.parametrize(("sink_blocks", "dtype"), [(0, torch.float32), (1, torch.float32), (2, torch.float32),
