@@ -3,7 +3,7 @@ rows of SmolLM2-135M's geometry (3 KV heads, 9 query heads, D = 64, bf16, G = 12
 --context to --context + 49 tokens, 512 by default) over a page pool of real packed tiles.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/vllm_layer_step.py [PRESET] [--profile] [--repeat N] [--rounds N]
-        [--layers N] [--threads N] [--parts] [--context N]
+        [--layers N] [--threads N] [--parts] [--rows-layout] [--context N]
 
 Prints the CPU time (`time.process_time`, so a shared machine's load does not enter; 1 thread unless --threads) per
 layer of each
@@ -19,7 +19,10 @@ step over all of them, so that, as in the engine, a layer's rows are no longer i
 --parts times the decode kernel call alone (1 pool, 1 thread, CPU time, best of 7 rounds) with its work cut down:
 whole, packed tiles only, dense rows (sinks and current blocks) only, neither: the fixed cost per call, and what a
 packed token and a dense row cost above it; then the same dense rows gathered into one contiguous segment, bf16 and
-float32 (what the row ids cost; whether the bytes read bound the rows). Used for docs/VLLM.md.
+float32 (what the row ids cost; whether the bytes read bound the rows); --rows-layout (with --layers N, --rounds N,
+--threads N) times the decode kernel call of every layer with the sink and current-block rows read in place from the
+pool (a few rows of a head in each of many blocks, `LayerPool.rows`) and from a copy of the same rows laid out
+contiguously per request (the same bits, checked): what the fp slots' layout costs. Used for docs/VLLM.md.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--parts", action="store_true")
+    ap.add_argument("--rows-layout", action="store_true")
     ap.add_argument("--context", type=int, default=512, help="tokens of context of the first request (default 512)")
     args = ap.parse_args()
     preset = args.preset
@@ -140,6 +144,8 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(8)
     if args.parts:
         parts(pool, decode_plan(table, blocks, [x - 1 for x in lens], lens))
+    if args.rows_layout:
+        rows_layout(pools, decode_plan(table, blocks, [x - 1 for x in lens], lens), rounds)
 
 
 def parts(pool: LayerPool, plan) -> None:
@@ -179,6 +185,33 @@ def parts(pool: LayerPool, plan) -> None:
         t = _best_ms(call)
         print(f"dense only, the rows as one contiguous {str(dtype).removeprefix('torch.')} segment: {t:.3f} ms "
               f"({(t - ms['neither']) * 1e6 / rows:.1f} ns a row and KV head)")
+
+
+def rows_layout(pools: list[LayerPool], plan, rounds: int) -> None:
+    """The decode kernel call of every pool, its dense rows read in place or from per-request contiguous copies."""
+    batch = paged.decode_batch(plan, pools[0])
+    q = torch.randn(R, HQ, D).bfloat16().float().view(R, H, HQ // H, D)
+    b, _, t = batch.dense_index.shape
+    index = torch.stack([torch.arange(b)[:, None] * 2 * t + torch.arange(t),
+                         torch.arange(b)[:, None] * 2 * t + t + torch.arange(t)], 1).contiguous()  # [B, 2, t]
+    copies = [torch.cat(indexed_rows(p.rows, batch.dense_index), 2).contiguous() for p in pools]  # [B, H, 2t, D]
+
+    def call(p: LayerPool, rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return kernel.decode_rows(q, *p.tiles, batch.table, batch.n_blocks, G, (rows, idx, batch.tiles_len),
+                                  batch.bias, D ** -0.5)
+
+    assert all(torch.equal(call(p, p.rows, batch.dense_index), call(p, c, index)) for p, c in zip(pools, copies))
+    ms = {"in place": [], "contiguous copy": []}
+    for _ in range(max(rounds, 3)):
+        for name, args in (("in place", [(p, p.rows, batch.dense_index) for p in pools]),
+                           ("contiguous copy", [(p, c, index) for p, c in zip(pools, copies)])):
+            t0 = time.perf_counter()
+            for a in args:
+                call(*a)
+            ms[name].append((time.perf_counter() - t0) / len(pools) * 1e3)
+    for name, xs in ms.items():
+        print(f"decode kernel call, rows {name}: median {sorted(xs)[len(xs) // 2]:.3f} ms per layer (wall time, "
+              f"{len(pools)} layer pools, {torch.get_num_threads()} threads, {len(xs)} rounds)")
 
 
 def _best_ms(f, rounds: int = 7, calls: int = 200) -> float:

@@ -1,0 +1,115 @@
+"""Wall time of the attention layer's parts inside one vLLM `LLM.generate`, without a profiler: cProfile's hooks
+slow Python many times over, and in a serving step the backend's Python is what is being measured. Needs vLLM
+(`make vllm-venv`).
+
+    PYTHONPATH=$PWD .venv-vllm/bin/python scripts/vllm_timers.py PRESET|stock [--requests 8] [--prompt-tokens 512]
+        [--new 128] [--kv-mib 4096]
+
+The workload of `kvarn bench vllm`'s equal batch (R requests of P prompt tokens of `pydoc_data.topics` prose, N
+greedy tokens, SmolLM2-135M-Instruct, bfloat16, max_num_seqs R, enforce_eager; the engine in this process), one
+short warm-up request first. Accumulators (`time.perf_counter`) wrap the model's forward, the attention layer's
+forward, and for kvarn `write_step`, `attend_step`, `batched_decode`, `decode_batch`, the prompt pieces'
+`_batched_pieces` and `store_tiles`, and the C++ decode kernel (the seat's registered CPU kernel); each split into
+the first step (the prompts' prefill) and the decode steps. Used for docs/VLLM.md ("The backend's Python in a
+serving step").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import time
+import types
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+TOTAL: dict = collections.defaultdict(float)
+CALLS: collections.Counter = collections.Counter()
+STEP = [0]  # model forwards so far: step 0 is the prompts' prefill
+
+
+def timed(owner, name: str, label: str | None = None) -> None:
+    """Replace owner.name by a wrapper that adds its wall time to TOTAL[(label, prefill|decode)]."""
+    f = getattr(owner, name)
+    label = label or name
+
+    @functools.wraps(f)
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            key = (label, "prefill" if STEP[0] == 0 else "decode")
+            TOTAL[key] += time.perf_counter() - t0
+            CALLS[key] += 1
+            if label == "model":
+                STEP[0] += 1
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    import pydoc_data.topics
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.models import llama
+
+    from kvarn.integrations.vllm import backend, paged, register
+    from kvarn.models import resolve
+    from kvarn.ops import seats
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("preset")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--kv-mib", type=int, default=4096)
+    a = ap.parse_args()
+    register()
+    timed(llama.LlamaModel, "forward", "model")
+    if a.preset == "stock":
+        from vllm.v1.attention.backends import cpu_attn
+
+        timed(cpu_attn.CPUAttentionBackendImpl, "forward", "attention forward")
+    else:
+        import kvarn.kernels.cpu.register  # noqa: F401  (the CPU kernels behind the seats)
+
+        timed(backend.KVarNAttentionImpl, "forward", "attention forward")
+        for name in ("write_step", "attend_step"):
+            timed(backend, name)
+        for name in ("batched_decode", "decode_batch", "_batched_pieces", "store_tiles"):
+            timed(paged, name)
+        kernels = getattr(seats, "_KERNELS", None)  # None before b1aaddb (kernels reached through the op only)
+        if kernels is not None:
+            holder = types.SimpleNamespace(kernel=kernels["packed_decode", "cpu"])
+            timed(holder, "kernel", "C++ decode kernel")
+            kernels["packed_decode", "cpu"] = holder.kernel  # what `Seat` calls for CPU tensors
+    path = str(resolve("smollm2"))
+    ids = AutoTokenizer.from_pretrained(path)(" ".join(pydoc_data.topics.topics.values()))["input_ids"]
+    n, plen, new = a.requests, a.prompt_tokens, a.new
+    prompts = [ids[1000 * r:1000 * r + plen] for r in range(n)]
+    kw = dict(model=path, dtype="bfloat16", max_model_len=plen + new + 16, max_num_seqs=n, enforce_eager=True,
+              seed=0, kv_cache_memory_bytes=a.kv_mib << 20)
+    if a.preset != "stock":
+        kw["additional_config"] = {"kvarn": {"preset": a.preset}}
+    llm = LLM(**kw)
+    llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(temperature=0.0, max_tokens=2),
+                 use_tqdm=False)
+    TOTAL.clear()
+    CALLS.clear()
+    STEP[0] = 0
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), use_tqdm=False)
+    wall = time.perf_counter() - t0
+    print(f"{a.preset}: wall {wall:.2f} s, {n * new / wall:.1f} generated tokens/s")
+    for (label, phase), s in sorted(TOTAL.items(), key=lambda kv: (kv[0][1], -kv[1])):
+        c = CALLS[label, phase]
+        print(f"  {phase:8s} {label:20s} {s:7.3f} s in {c:5d} calls, {s / c * 1e3:7.3f} ms a call")
+
+
+if __name__ == "__main__":
+    main()
