@@ -5,6 +5,8 @@ implementation (shapes and dtypes, for torch.compile and opcheck) and a default 
 reference; kernels register device implementations behind the same name (`kvarn.kernels.cpu.register`: the C++
 kernels for CPU). Which path a call takes is `kvarn.ops.dispatch` (KVARN_KERNEL): callers reach a seat only when a
 kernel serves the call; `supported(seat, device)` gives the registered kernel's reason why not (None: it serves it).
+kvarn's own callers hold a `Seat`, which calls the kernel registered for the device (`register_kernel`) without the
+dispatcher.
 
     kvarn::tile_store(x [N, G, D], weight [N, D]?, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype,
                       relative, coef [N, B, D, D]?, clip) -> (codes, row_scale, row_zero, col_scale | [0],

@@ -547,7 +547,7 @@ class DecodeBatch:
 
     requests: list[int]
     request_set: frozenset[int]
-    token_rows: torch.Tensor  # [B] rows of the step's [T, ...] tensors
+    rows: slice | torch.Tensor  # [B] rows of the step's [T, ...] tensors: a slice where consecutive (a view)
     write_blk: torch.Tensor  # [B, 2] (K, V) where the fresh rows go in `LayerPool.rows`
     write_sub: torch.Tensor
     dense_index: torch.Tensor  # [B, 2, t] int64 row ids n * R + r into `LayerPool.rows` [N, H, R, D]
@@ -563,7 +563,6 @@ class DecodeBatch:
     done_blk: torch.Tensor  # [n, 2, G]
     done_sub: torch.Tensor
     others: list[tuple[int, RequestPlan, int, slice, int]]  # the step's other pieces (`_pieces`), listed once
-    rows: slice | torch.Tensor  # token_rows as a slice where they are consecutive (a view, not a gather)
 
 
 def decode_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
@@ -643,11 +642,11 @@ def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
         return t.to(dev, non_blocking=True)
 
     chosen = frozenset(reqs)
-    return DecodeBatch(reqs, chosen, to(torch.tensor(tok)), to(write_blk), to(write_sub), to(dense_index),
+    rows = slice(tok[0], tok[0] + b) if tok == list(range(tok[0], tok[0] + b)) else to(torch.tensor(tok))
+    return DecodeBatch(reqs, chosen, rows, to(write_blk), to(write_sub), to(dense_index),
                        to(table), to(n_blocks), tiles_len, to(bias), sb * g,
                        to(torch.tensor(ns, dtype=torch.int32)), to(cur_row_t.to(torch.int32) + 1), done, done_where,
-                       to(done_blk), to(done_sub), [x for x in _pieces(plan, g) if x[0] not in chosen],
-                       slice(tok[0], tok[0] + b) if tok == list(range(tok[0], tok[0] + b)) else to(torch.tensor(tok)))
+                       to(done_blk), to(done_sub), [x for x in _pieces(plan, g) if x[0] not in chosen])
 
 
 def batched_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, scale: float,
