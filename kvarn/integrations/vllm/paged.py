@@ -659,7 +659,7 @@ def batched_decode(pool: LayerPool, batch: DecodeBatch, q: torch.Tensor, scale: 
     # the sink and current-block rows read in place through their row ids; fields, table and index checked once per
     # step by `_build_batch`
     b, hq, d = q.shape
-    qf = q.to(torch.float32, memory_format=torch.contiguous_format).view(b, pool.geo.num_kv_heads, -1, d)
+    qf = q.float().contiguous().view(b, pool.geo.num_kv_heads, -1, d)  # a float32 q may be a strided qkv slice
     out = kernel.decode_rows(qf, *pool.tiles, batch.table, batch.n_blocks, pool.layout.tile,
                              (pool.rows, batch.dense_index, batch.tiles_len), batch.bias, scale, softcap)
     return out.view(b, hq, d)

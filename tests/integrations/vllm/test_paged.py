@@ -126,6 +126,9 @@ class Engine:
             queries.append(q)
         plan = self.table.plan(rows, computed, lengths, block_rows)
         key, value, query = torch.cat(keys), torch.cat(values), torch.cat(queries)
+        # as vLLM passes them: views of one fused qkv output, strided along the tokens
+        qkv = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], 1)
+        query, key, value = (x.view(-1, n, D) for x, n in zip(qkv.split([HQ * D, H * D, H * D], 1), (HQ, H, H)))
         stale = (self.energy / self.energy_count).float() if self.energy_count else None
         self.energy += query.double().square().view(-1, H, HQ // H, D).sum((0, 2))
         self.energy_count += query.shape[0] * (HQ // H)
