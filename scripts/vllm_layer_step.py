@@ -175,8 +175,7 @@ def parts(pool: LayerPool, plan) -> None:
         kd, vd = k.to(dtype).contiguous(), v.to(dtype).contiguous()
 
         def call(kd: torch.Tensor = kd, vd: torch.Tensor = vd) -> torch.Tensor:
-            return kernel.decode_attention(q.float()[:, :, None], kernel.PackedTiles.pool(pool.key_fields),
-                                           kernel.PackedTiles.pool(pool.value_fields), none.table, none.n_blocks, G,
+            return kernel.decode_attention(q.float()[:, :, None], *pool.tiles, none.table, none.n_blocks, G,
                                            scaling=D ** -0.5, bias=none.bias, validate=False,
                                            dense=[(kd, vd, none.tiles_len)])
 

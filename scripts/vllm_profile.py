@@ -24,16 +24,37 @@ import time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
-def main() -> None:
+def warm_engine(preset: str, new: int, requests: int = 8, prompt_tokens: int = 512, kv_mib: int = 1024,
+                max_num_seqs: int | None = None, dtype: str = "bfloat16"):
+    """(llm, prompts): SmolLM2's engine in this process, stock or with `preset`, after one short warm-up request;
+    `requests` prompts of `prompt_tokens` tokens of prose (module docstring). Also used by scripts/vllm_timers.py."""
     import pydoc_data.topics
 
-    import torch
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from kvarn.bench.vllm import DTYPES
     from kvarn.integrations.vllm import register
     from kvarn.models import resolve
+
+    register()
+    path = str(resolve("smollm2"))
+    ids = AutoTokenizer.from_pretrained(path)(" ".join(pydoc_data.topics.topics.values()))["input_ids"]
+    prompts = [ids[1000 * r:1000 * r + prompt_tokens] for r in range(requests)]
+    kw = dict(model=path, dtype=dtype, max_model_len=prompt_tokens + new + 16, max_num_seqs=max_num_seqs or requests,
+              enforce_eager=True, seed=0, kv_cache_memory_bytes=kv_mib << 20)
+    if preset != "stock":
+        kw["additional_config"] = {"kvarn": {"preset": preset}}
+    llm = LLM(**kw)
+    llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(temperature=0.0, max_tokens=2),
+                 use_tqdm=False)
+    return llm, prompts
+
+
+def main() -> None:
+    import torch
+    from vllm import SamplingParams
+
+    from kvarn.bench.vllm import DTYPES
 
     ap = argparse.ArgumentParser()
     ap.add_argument("preset")
@@ -45,18 +66,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int)
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     a = ap.parse_args()
-    preset, new, out, n, plen = a.preset, a.new, a.out, a.requests, a.prompt_tokens
-    register()
-    path = str(resolve("smollm2"))
-    ids = AutoTokenizer.from_pretrained(path)(" ".join(pydoc_data.topics.topics.values()))["input_ids"]
-    prompts = [ids[1000 * r:1000 * r + plen] for r in range(n)]
-    kw = dict(model=path, dtype=a.dtype, max_model_len=plen + new + 16, max_num_seqs=a.max_num_seqs or n,
-              enforce_eager=True, seed=0, kv_cache_memory_bytes=a.kv_mib << 20)
-    if preset != "stock":
-        kw["additional_config"] = {"kvarn": {"preset": preset}}
-    llm = LLM(**kw)
-    llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(temperature=0.0, max_tokens=2),
-                 use_tqdm=False)
+    preset, new, out, n = a.preset, a.new, a.out, a.requests
+    llm, prompts = warm_engine(preset, new, n, a.prompt_tokens, a.kv_mib, a.max_num_seqs, a.dtype)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     prof = cProfile.Profile()
     t0 = time.perf_counter()

@@ -10,7 +10,8 @@ greedy tokens, SmolLM2-135M-Instruct, bfloat16, max_num_seqs R, enforce_eager; t
 short warm-up request first. Accumulators (`time.perf_counter`) wrap the model's forward, the attention layer's
 forward, and for kvarn `write_step`, `attend_step`, `batched_decode`, `decode_batch`, the prompt pieces'
 `_batched_pieces` and `store_tiles`, and the C++ decode kernel (the seat's registered CPU kernel); each split into
-the first step (the prompts' prefill) and the decode steps. Used for docs/VLLM.md ("The backend's Python in a
+the first step (the prompts' prefill) and the decode steps. The engine and prompts are scripts/vllm_profile.py's.
+Used for docs/VLLM.md ("The backend's Python in a
 serving step").
 """
 
@@ -51,14 +52,11 @@ def timed(owner, name: str, label: str | None = None) -> None:
 
 
 def main() -> None:
-    import pydoc_data.topics
-
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.model_executor.models import llama
+    from vllm_profile import warm_engine  # this folder: the same engine and prompts as the profile
 
-    from kvarn.integrations.vllm import backend, paged, register
-    from kvarn.models import resolve
+    from kvarn.integrations.vllm import backend, paged
     from kvarn.ops import seats
 
     ap = argparse.ArgumentParser()
@@ -68,7 +66,6 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--kv-mib", type=int, default=4096)
     a = ap.parse_args()
-    register()
     timed(llama.LlamaModel, "forward", "model")
     if a.preset == "stock":
         from vllm.v1.attention.backends import cpu_attn
@@ -87,25 +84,15 @@ def main() -> None:
             holder = types.SimpleNamespace(kernel=kernels["packed_decode", "cpu"])
             timed(holder, "kernel", "C++ decode kernel")
             kernels["packed_decode", "cpu"] = holder.kernel  # what `Seat` calls for CPU tensors
-    path = str(resolve("smollm2"))
-    ids = AutoTokenizer.from_pretrained(path)(" ".join(pydoc_data.topics.topics.values()))["input_ids"]
-    n, plen, new = a.requests, a.prompt_tokens, a.new
-    prompts = [ids[1000 * r:1000 * r + plen] for r in range(n)]
-    kw = dict(model=path, dtype="bfloat16", max_model_len=plen + new + 16, max_num_seqs=n, enforce_eager=True,
-              seed=0, kv_cache_memory_bytes=a.kv_mib << 20)
-    if a.preset != "stock":
-        kw["additional_config"] = {"kvarn": {"preset": a.preset}}
-    llm = LLM(**kw)
-    llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(temperature=0.0, max_tokens=2),
-                 use_tqdm=False)
+    llm, prompts = warm_engine(a.preset, a.new, a.requests, a.prompt_tokens, a.kv_mib)
     TOTAL.clear()
     CALLS.clear()
     STEP[0] = 0
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), use_tqdm=False)
+                 SamplingParams(temperature=0.0, max_tokens=a.new, ignore_eos=True), use_tqdm=False)
     wall = time.perf_counter() - t0
-    print(f"{a.preset}: wall {wall:.2f} s, {n * new / wall:.1f} generated tokens/s")
+    print(f"{a.preset}: wall {wall:.2f} s, {a.requests * a.new / wall:.1f} generated tokens/s")
     for (label, phase), s in sorted(TOTAL.items(), key=lambda kv: (kv[0][1], -kv[1])):
         c = CALLS[label, phase]
         print(f"  {phase:8s} {label:20s} {s:7.3f} s in {c:5d} calls, {s / c * 1e3:7.3f} ms a call")

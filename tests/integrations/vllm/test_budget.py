@@ -151,10 +151,11 @@ def test_budget_allocation_scores_binds_and_matches_oracle(kernel: str, monkeypa
     if kernel == "cpu" and not paged.kernel.available():
         pytest.skip("the CPU kernel cannot be built here")
     monkeypatch.setenv("KVARN_KERNEL", kernel)
-    calls: list[int] = []  # the fused kernel's batched decode calls, by key code width
-    real = paged.kernel.decode_rows
-    monkeypatch.setattr(paged.kernel, "decode_rows", lambda q, kf, *a, **k: calls.append(
-        kf.bits) or real(q, kf, *a, **k))
+    calls: list[int] = []  # the fused kernel's calls (pieces and batched decode rows), by key code width
+    for name in ("decode_attention", "decode_rows"):
+        real = getattr(paged.kernel, name)
+        monkeypatch.setattr(paged.kernel, name, lambda q, kf, *a, _real=real, **k: calls.append(
+            kf.bits) or _real(q, kf, *a, **k))
     # pages of all three classes (as sized for the most high layers), so the decision can use every key width; the
     # sizing vLLM gets (`budget.sized_split`: the most promoted layers, (1, 3) here) is test_page_classes_...'s
     eng = BudgetEngine(classes=["high", "high", "mid", "low"])
