@@ -3,7 +3,7 @@ slow Python many times over, and in a serving step the backend's Python is what 
 (`make vllm-venv`).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python scripts/vllm_timers.py PRESET|stock [--requests 8] [--prompt-tokens 512]
-        [--new 128] [--kv-mib 4096]
+        [--new 128] [--kv-mib 4096] [--dtype bfloat16|float16|float32]
 
 The workload of `kvarn bench vllm`'s equal batch (R requests of P prompt tokens of `pydoc_data.topics` prose, N
 greedy tokens, SmolLM2-135M-Instruct, bfloat16, max_num_seqs R, enforce_eager; the engine in this process), one
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--kv-mib", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     a = ap.parse_args()
     timed(llama.LlamaModel, "forward", "model")
     if a.preset == "stock":
@@ -75,7 +76,7 @@ def main() -> None:
         import kvarn.kernels.cpu.register  # noqa: F401  (the CPU kernels behind the seats)
 
         timed(backend.KVarNAttentionImpl, "forward", "attention forward")
-        for name in ("write_step", "attend_step"):
+        for name in ("write_step", "attend_step", "observe_queries"):
             timed(backend, name)
         for name in ("batched_decode", "decode_batch", "_batched_pieces", "store_tiles"):
             timed(paged, name)
@@ -84,7 +85,7 @@ def main() -> None:
             holder = types.SimpleNamespace(kernel=kernels["packed_decode", "cpu"])
             timed(holder, "kernel", "C++ decode kernel")
             kernels["packed_decode", "cpu"] = holder.kernel  # what `Seat` calls for CPU tensors
-    llm, prompts = warm_engine(a.preset, a.new, a.requests, a.prompt_tokens, a.kv_mib)
+    llm, prompts = warm_engine(a.preset, a.new, a.requests, a.prompt_tokens, a.kv_mib, dtype=a.dtype)
     TOTAL.clear()
     CALLS.clear()
     STEP[0] = 0

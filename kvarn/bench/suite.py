@@ -43,7 +43,7 @@ SETTINGS: dict[str, tuple[object, object]] = {
     "vllm_mem_new_tokens": (256, 32),
     "vllm_mem_kv_mib": ("128,212,424", "64"),
     "vllm_mem_max_num_seqs": (16, 8),
-    "vllm_dtype": ("bfloat16", "bfloat16"),
+    "vllm_dtype": ("auto", "auto"),
     "vllm_rounds": (1, 1),
 }
 HELP = {
@@ -63,9 +63,11 @@ HELP = {
     "vllm_mem_requests": "memory-bound runs: requests queued at once (0: no memory-bound run)",
     "vllm_mem_prompt_tokens": "memory-bound runs: prompt tokens per request",
     "vllm_mem_new_tokens": "memory-bound runs: greedy tokens per request",
-    "vllm_mem_kv_mib": "memory-bound runs: KV budgets (MiB), one run each",
+    "vllm_mem_kv_mib": "memory-bound runs: KV budgets (MiB), one run each; the defaults are doubled for float32 "
+                       "engines",
     "vllm_mem_max_num_seqs": "memory-bound runs: vLLM max_num_seqs",
-    "vllm_dtype": "the model's dtype in every engine, stock and kvarn alike (bfloat16, float16, float32)",
+    "vllm_dtype": "the model's dtype in every engine, stock and kvarn alike (auto: bfloat16 on a CPU with native "
+                  "bf16, else float32; bfloat16, float16, float32)",
     "vllm_rounds": "every engine that many times, in rounds (stock, presets, stock, ...); ratios: the rounds' median",
 }
 
@@ -179,13 +181,28 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
             out["sections"]["memory"] = bench_memory(args.model, load_ids, _ints(s["mem_contexts"]),
                                                      _names(s["caches"]), s["mem_steps"])
         elif section == "vllm":
-            from kvarn.bench.vllm import bench_vllm, check_dtype, check_rounds, missing, scenarios
+            from kvarn.bench.vllm import (
+                bench_vllm,
+                check_dtype,
+                check_rounds,
+                mem_budget_scale,
+                missing,
+                resolve_dtype,
+                scenarios,
+            )
 
             check_dtype(s["vllm_dtype"])  # bad input first, vLLM or not
             check_rounds(s["vllm_rounds"])
             why = missing()
             if why is not None:
                 raise ValueError(why)
+            dtype = resolve_dtype(s["vllm_dtype"])
+            mem_mib = _floats(s["vllm_mem_kv_mib"])
+            if args.vllm_mem_kv_mib is None:  # the defaults hold ~4 of stock's 16-bit sequences: as many in float32
+                mem_mib = [m * mem_budget_scale(dtype) for m in mem_mib]
+            print(f"kvarn bench vllm: dtype {dtype}" + (f" (auto: this CPU {'has' if dtype == 'bfloat16' else 'lacks'}"
+                                                         " native bf16)" if s["vllm_dtype"] == "auto" else ""),
+                  file=sys.stderr, flush=True)
             if tok is None:
                 from transformers import AutoTokenizer
 
@@ -194,7 +211,7 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
                 tok = AutoTokenizer.from_pretrained(str(resolve(args.model)))
             runs = scenarios(_ints(s["vllm_requests"]), _ints(s["vllm_prompt_tokens"]), s["vllm_new_tokens"],
                              s["vllm_kv_gib"], s["vllm_mem_requests"], s["vllm_mem_prompt_tokens"],
-                             s["vllm_mem_new_tokens"], _floats(s["vllm_mem_kv_mib"]), s["vllm_mem_max_num_seqs"])
+                             s["vllm_mem_new_tokens"], mem_mib, s["vllm_mem_max_num_seqs"])
             out["sections"]["vllm"] = bench_vllm(args.model, functools.partial(load_tokens, tok, args.text),
                                                  _names(s["vllm_presets"]), runs, s["vllm_dtype"], s["vllm_rounds"])
         if args.json:  # after every section, so a long run that stops early keeps what it measured

@@ -88,12 +88,35 @@ def scenarios(requests: list[int], prompt_tokens: list[int], new_tokens: int, kv
     return out
 
 
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def check_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"kvarn bench vllm: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX: the test vLLM's CPU platform makes too). Without
+    it torch's bf16 matmuls run several times slower than float32 (stock's prefill 5x slower on the 2-core AVX2 VM:
+    docs/VLLM.md, "The engines' dtype")."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported())
+
+
+def resolve_dtype(dtype: str) -> str:
+    """"auto": bfloat16 where the CPU has native bf16, else float32, the dtype a user serves on that CPU."""
+    check_dtype(dtype)
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if native_bf16() else "float32"
+
+
+def mem_budget_scale(dtype: str) -> float:
+    """The factor on the memory-bound runs' default KV budgets (set for 16-bit engines): a float32 engine gets twice
+    the bytes, so that stock holds the same few sequences whatever the dtype."""
+    return 2.0 if dtype == "float32" else 1.0
 
 
 def check_rounds(rounds: int) -> None:
@@ -133,13 +156,13 @@ def _median_row(rounds: list[dict]) -> dict:
 def bench_vllm(model: str, load_ids, presets: list[str], runs: list[Scenario], dtype: str = "bfloat16",
                rounds: int = 1) -> dict:
     """The section's figures (module docstring); load_ids(n, offset_chars) -> token ids [1, n]. dtype: the model's
-    dtype in every engine (bfloat16, as vLLM serves it on CPUs with native bf16; float32 where the CPU lacks it).
+    dtype in every engine ("auto": bfloat16 on CPUs with native bf16, float32 where the CPU lacks it, `resolve_dtype`).
     rounds: every engine of a run that many times, in rounds (stock, the presets, stock, ...), each engine in a fresh
     process; the ratios reported are the medians of the rounds' own (a machine whose speed drifts over minutes moves
     one run's ratio by tens of percent: docs/VLLM.md)."""
     from kvarn.models import resolve
 
-    check_dtype(dtype)
+    requested, dtype = dtype, resolve_dtype(dtype)
     check_rounds(rounds)
     path = str(resolve(model))
     out_runs = []
@@ -161,5 +184,5 @@ def bench_vllm(model: str, load_ids, presets: list[str], runs: list[Scenario], d
                          "rows": [_median_row([rnd[e] for rnd in done]) for e in range(len(names))]})
     import vllm
 
-    return {"vllm": vllm.__version__, "model": model, "dtype": dtype,
-            "kernel": os.environ.get("KVARN_KERNEL", "auto"), "runs": out_runs}
+    return {"vllm": vllm.__version__, "model": model, "dtype": dtype, "dtype_requested": requested,
+            "native_bf16": native_bf16(), "kernel": os.environ.get("KVARN_KERNEL", "auto"), "runs": out_runs}

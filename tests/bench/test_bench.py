@@ -107,7 +107,7 @@ def test_bench_bad_input_is_a_clear_error(tiny, capsys):
     assert main(["bench", "attention", "--shapes", "gpt5"]) == 2
     assert "gpt5" in capsys.readouterr().err
     assert main(["bench", "vllm", "--quick", "--vllm-dtype", "int8"]) == 2
-    assert "dtype 'int8' is not one of bfloat16, float16, float32" in capsys.readouterr().err
+    assert "dtype 'int8' is not one of auto, bfloat16, float16, float32" in capsys.readouterr().err
     assert main(["bench", "vllm", "--quick", "--vllm-rounds", "0"]) == 2
     assert "rounds must be at least 1, got 0" in capsys.readouterr().err
 
@@ -119,6 +119,35 @@ def test_bench_vllm_without_vllm_names_the_fix(monkeypatch, capsys):
     monkeypatch.setattr(bench_vllm, "missing", lambda: "vLLM is not importable: run `make vllm-venv`")
     assert main(["bench", "vllm", "--quick"]) == 2
     assert "make vllm-venv" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bench_vllm_auto_dtype_and_memory_budgets(monkeypatch, capsys, native):
+    """--vllm-dtype auto (the default) serves bfloat16 on a CPU with native bf16 and float32 elsewhere, said on stderr;
+    the memory-bound runs' default budgets double for float32 (stock holds as many sequences), a budget given on the
+    command line is kept as given. vLLM faked: the section stops at its first engine."""
+    from kvarn.bench import vllm as bv
+
+    seen = []
+
+    def fake(model, load_ids, presets, runs, dtype, rounds):
+        seen.append((bv.resolve_dtype(dtype), [r.kv_bytes / 2**20 for r in runs if r.kind == "memory"]))
+        raise ValueError("fake engine: stop")
+
+    monkeypatch.setattr(bv, "missing", lambda: None)
+    monkeypatch.setattr(bv, "native_bf16", lambda: native)
+    monkeypatch.setattr(bv, "bench_vllm", fake)
+    assert main(["bench", "vllm", "--quick"]) == 2
+    assert main(["bench", "vllm", "--quick", "--vllm-mem-kv-mib", "64"]) == 2
+    assert main(["bench", "vllm", "--quick", "--vllm-dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    if native:
+        assert seen == [("bfloat16", [64.0]), ("bfloat16", [64.0]), ("bfloat16", [64.0])]
+        assert "dtype bfloat16 (auto: this CPU has native bf16)" in err
+    else:
+        assert seen == [("float32", [128.0]), ("float32", [64.0]), ("bfloat16", [64.0])]
+        assert "dtype float32 (auto: this CPU lacks native bf16)" in err
+    assert "fake engine: stop" in err
 
 
 def test_bench_vllm_table_and_schema(tmp_path):

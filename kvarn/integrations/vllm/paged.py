@@ -133,35 +133,14 @@ def _pieces(plan: StepPlan, g: int):
             yield i, p, j, slice(t0 + lo - nc, t0 + hi - nc), hi
 
 
-OBSERVE_CHUNK = 512  # tokens of queries squared at a time (`observe_queries`)
-
-
 def observe_queries(pool: LayerPool, query: torch.Tensor) -> None:
-    """query [T, Hq, D] (after RoPE, the step's queries as attention sees them) -> the layer's running query energy,
-    before `write_step` quantizes this step's completed key tiles (so a prompt's own queries count for its tiles, as
-    in the transformers cache: `LayerStore.observe_queries`). All requests of the step pooled: one running mean per
-    layer for the engine (module docstring). A no-op for quantizers that take no weight."""
-    e = pool.queries
-    if e is None or not query.shape[0]:
-        return
-    t, hq, d = query.shape
-    h = pool.geo.num_kv_heads
-
-    def pooled(qc: torch.Tensor) -> torch.Tensor:  # [c, Hq, D] -> [1, H, c * Hq/H, D]: heads of a group, positions
-        return qc.view(-1, h, hq // h, d).transpose(0, 1).reshape(1, h, -1, d)
-
-    total, kept = None, 0
-    for c0 in range(0, t, OBSERVE_CHUNK):  # small float temporaries: a whole prompt step at once took ~8x the CPU
-        qc = query[c0:c0 + OBSERVE_CHUNK].float()  # [c, Hq, D]
-        s = e.moments(pooled(qc))  # q^2 sums, or q q^T's for query-aware keys (`QueryCovariance`)
-        if not bool(torch.isfinite(s).all()):
-            # the mean is the engine's, for good: tokens with a non-finite query (or square) are left out
-            qc = qc[torch.isfinite(qc.square()).flatten(1).all(1)]
-            s = e.moments(pooled(qc))
-        kept += qc.shape[0]
-        total = s if total is None else total + s
-    if kept:
-        e.accumulate(total, kept * (hq // h))
+    """query [T, Hq, D] (after RoPE, the step's queries as attention sees them) -> the layer's running query
+    statistics, before `write_step` quantizes this step's completed key tiles (so a prompt's own queries count for its
+    tiles, as in the transformers cache: `LayerStore.observe_queries`). All requests of the step pooled: one running
+    mean per layer for the engine (module docstring); folded in lazily (`PendingQueries`). A no-op for quantizers that
+    take no weight."""
+    if pool.queries is not None:
+        pool.queries.add(query)
 
 
 def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.Tensor, layer: str,

@@ -273,10 +273,77 @@ class SlotTable:
         return plan
 
 
+OBSERVE_CHUNK = 512  # tokens of queries squared at a time (`PendingQueries.flush`)
+PENDING_ROWS = 128  # query tokens a layer keeps before folding them into its statistics (`PendingQueries`)
+
+
+class PendingQueries:
+    """A layer's running query statistics (`QueryEnergy`, or `QueryCovariance` for query-aware keys), fed lazily.
+
+    Folding a step's queries in takes ~10 torch calls (float, pool the GQA heads, square, sum, a finiteness check,
+    add), which cost 0.1-0.2 ms per layer in a serving decode step, where every call runs cold (docs/VLLM.md), for a
+    few rows. So `add` keeps a step's rows (one copy) and `flush` folds the kept rows in, in chunks of OBSERVE_CHUNK
+    tokens: before anything reads the statistics (every attribute but `add` and `flush` is the statistics' own, read
+    after a flush: the tile store's `key_weight`, the budget rule's `weight`, `count`), when PENDING_ROWS tokens wait,
+    and at once for a step of at least that many (a prompt). A store thus sees every query up to its own step's, as
+    when each step was folded in at once; the sums differ from that only in float32 summation order.
+
+    Tokens with a non-finite query (or square) are left out: the mean is the engine's, for good."""
+
+    def __init__(self, stats: QueryEnergy, kv_heads: int) -> None:
+        self.stats, self.kv_heads = stats, kv_heads
+        self.rows: list[torch.Tensor] = []  # [t, Hq, D] copies of the steps' queries, not folded in yet
+        self.waiting = 0
+
+    def add(self, query: torch.Tensor) -> None:
+        """query [T, Hq, D], a step's queries (after RoPE, as attention sees them)."""
+        t = query.shape[0]
+        if not t:
+            return
+        if self.waiting + t > PENDING_ROWS:
+            self.flush()
+        if t >= PENDING_ROWS:
+            self._fold(query)
+        else:
+            self.rows.append(query.clone())  # vLLM reuses the query buffer next step
+            self.waiting += t
+
+    def flush(self) -> None:
+        if self.rows:
+            rows = self.rows[0] if len(self.rows) == 1 else torch.cat(self.rows)
+            self.rows, self.waiting = [], 0
+            self._fold(rows)
+
+    def _fold(self, query: torch.Tensor) -> None:
+        e, h = self.stats, self.kv_heads
+        t, hq, d = query.shape
+
+        def pooled(qc: torch.Tensor) -> torch.Tensor:  # [c, Hq, D] -> [1, H, c * Hq/H, D]: heads of a group, positions
+            return qc.view(-1, h, hq // h, d).transpose(0, 1).reshape(1, h, -1, d)
+
+        total, kept = None, 0
+        for c0 in range(0, t, OBSERVE_CHUNK):  # small float temporaries: a whole prompt at once took ~8x the CPU
+            qc = query[c0:c0 + OBSERVE_CHUNK].float()  # [c, Hq, D]
+            s = e.moments(pooled(qc))  # q^2 sums, or q q^T's for query-aware keys (`QueryCovariance`)
+            if not bool(torch.isfinite(s).all()):
+                qc = qc[torch.isfinite(qc.square()).flatten(1).all(1)]
+                s = e.moments(pooled(qc))
+            kept += qc.shape[0]
+            total = s if total is None else total + s
+        if kept:
+            e.accumulate(total, kept * (hq // h))
+
+    def __getattr__(self, name: str):  # only for names not found on self: the statistics', after a flush
+        if name in ("stats", "rows", "waiting", "kv_heads"):  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        self.flush()
+        return getattr(self.stats, name)
+
+
 class LayerPool:
     """One layer's page bytes: packed runs and fp slots, over vLLM's uint8 view [num_blocks, H, G, C]."""
 
-    def __init__(self, kv_cache: torch.Tensor, geo: PageGeometry, queries: QueryEnergy | None = None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, geo: PageGeometry, queries: PendingQueries | None = None) -> None:
         lay = geo.layout
         nb, h, g, c = kv_cache.shape
         if kv_cache.dtype != torch.uint8 or (h, g, c) != (geo.num_kv_heads, lay.tile, geo.c):
@@ -300,7 +367,10 @@ class LayerPool:
         # rotate="auto" keys: the layer's running query energy, [1, H, D] float32 sums + count, for the whole engine
         # (all requests pooled; `paged.observe_queries`); kept across pools of the same layer when given
         # (query-aware keys, `-qar` presets: the running E[q q^T] per KV head, `QueryCovariance`)
-        self.queries = queries if queries is not None else query_statistics(lay.key_q)
+        if queries is None:
+            stats = query_statistics(lay.key_q)
+            queries = PendingQueries(stats, geo.num_kv_heads) if stats is not None else None
+        self.queries = queries
         self.triton_store: bool | None = None  # CUDA: whether the Triton store kernel writes its tiles (`paged`)
 
     def slot_rows(self, slots: torch.Tensor, kind: int | torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 from kvarn.integrations.vllm import paged
 from kvarn.integrations.vllm.layout import FP_SHARE_MAX, PageGeometry, TileLayout, choose_geometry, choose_pool
 from kvarn.integrations.vllm.paged import attend_step, write_step
-from kvarn.integrations.vllm.pool import LayerPool, SlotTable
+from kvarn.integrations.vllm.pool import OBSERVE_CHUNK, PENDING_ROWS, LayerPool, PendingQueries, SlotTable
 from kvarn.presets import affine_preset
 
 G, D, H, HQ = 16, 16, 2, 4
@@ -809,14 +809,60 @@ def test_auto_query_statistics_over_several_chunks() -> None:
     queries, a bad token in a later chunk left out and the earlier chunks' sums kept; a second step adds to it."""
     eng = _auto_engine()
     gen = torch.Generator().manual_seed(29)
-    t = 2 * paged.OBSERVE_CHUNK + 3
+    t = 2 * OBSERVE_CHUNK + 3
     q = torch.randn(t, HQ, D, generator=gen).bfloat16()
-    q[paged.OBSERVE_CHUNK + 5, HQ - 1, 1] = float("inf")
+    q[OBSERVE_CHUNK + 5, HQ - 1, 1] = float("inf")
     q2 = torch.randn(7, HQ, D, generator=gen).bfloat16()
     paged.observe_queries(eng.pool, q)
     paged.observe_queries(eng.pool, q2)
-    keep = torch.cat([q[torch.arange(t) != paged.OBSERVE_CHUNK + 5], q2]).double()
+    keep = torch.cat([q[torch.arange(t) != OBSERVE_CHUNK + 5], q2]).double()
     e = eng.pool.queries
     assert e.count == keep.shape[0] * (HQ // H)
     want = keep.square().view(-1, H, HQ // H, D).sum((0, 2)) / e.count
     torch.testing.assert_close(e.weight()[0].double(), want, rtol=1e-5, atol=0)  # float32 sums of ~3e3 terms
+
+
+@pytest.mark.parametrize("stats", ["energy", "covariance"])
+def test_pending_queries_fold_lazily_and_equal_eager_folding(stats: str) -> None:
+    """`PendingQueries` keeps decode steps' few query rows (copies: the caller's buffer is reused) and folds them in
+    when anything reads the statistics or PENDING_ROWS wait; a long step folds at once. Every read sees every query
+    added so far: the same statistics as folding each step in at once (float32 summation order aside; float64
+    oracle), non-finite tokens left out either way."""
+    from kvarn.quant.policy import QueryCovariance, QueryEnergy
+
+    make = QueryEnergy if stats == "energy" else QueryCovariance
+    lazy, eager = PendingQueries(make(), H), PendingQueries(make(), H)
+    gen = torch.Generator().manual_seed(37)
+    buf = torch.empty(16, HQ + 2 * H, D)  # vLLM's qkv output: the query a strided view of it, reused every step
+    seen = []
+    for step, t in enumerate([3, 8, 8, 1, PENDING_ROWS - 5, 8, PENDING_ROWS + 9, 2]):
+        q = torch.randn(t, HQ, D, generator=gen)
+        if step == 3:
+            q[0, 1, 2] = float("nan")
+        if t <= buf.shape[0]:
+            buf[:t, :HQ] = q
+            q_in = buf[:t, :HQ]
+        else:
+            q_in = q
+        lazy.add(q_in)
+        eager.add(q_in)
+        eager.flush()
+        if t <= buf.shape[0]:
+            buf.normal_(generator=gen)  # the next step overwrites the buffer: kept rows must be copies
+        seen.append(q)
+        assert lazy.waiting <= PENDING_ROWS
+        if step in (2, 6):  # a reader: flushed first, everything so far counted
+            assert lazy.waiting == (19 if step == 2 else 0)  # step 6's long step was folded at once
+            keep = torch.cat(seen)
+            keep = keep[torch.isfinite(keep).flatten(1).all(1)].double().view(-1, H, HQ // H, D)
+            assert lazy.count == eager.count == keep.shape[0] * HQ // H
+            if stats == "energy":
+                want = keep.square().sum((0, 2)) / lazy.count
+                torch.testing.assert_close(lazy.weight()[0].double(), want, rtol=1e-5, atol=0)
+            else:
+                want = torch.einsum("thgd,thge->hde", keep, keep) / lazy.count
+                torch.testing.assert_close(lazy.covariance()[0].double(), want, rtol=1e-5, atol=1e-6)
+            assert not lazy.rows
+            torch.testing.assert_close(lazy.key_weight(), eager.key_weight(), rtol=1e-5, atol=1e-6)
+    assert lazy.waiting == 2 and len(lazy.rows) == 1  # the last step waits for a reader
+
