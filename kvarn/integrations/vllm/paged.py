@@ -41,10 +41,11 @@ kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or pla
   * query statistics: each layer keeps ONE running `QueryEnergy` (mean of q_d^2 per KV head, [1, H, D] float32 sums +
     a count, on its `LayerPool`), for the whole engine: every request's queries of every step pooled, with the GQA
     query heads of a KV head and the positions. `observe_queries` adds the step's queries (after RoPE, as attention
-    sees them; one reduction per layer) BEFORE `write_step` quantizes the step's completed key tiles, the
-    transformers cache's order (`LayerStore.observe_queries`: a prompt's own queries count for its tiles). Why not
-    per request, as the transformers cache keeps one mean per sequence: vLLM shares complete blocks between requests
-    through prefix caching, and a block is quantized once; a per-request mean would make a shared block's bytes
+    sees them; kept and folded in when the statistics are read: `pool.PendingQueries`) BEFORE `write_step` quantizes
+    the step's completed key tiles, the transformers cache's order (`LayerStore.observe_queries`: a prompt's own
+    queries count for its tiles). Why not per request, as the transformers cache keeps one mean per sequence: vLLM
+    shares complete blocks between requests through prefix caching, and a block is quantized once; a per-request
+    mean would make a shared block's bytes
     depend on which request happened to write it, and vLLM does not tell the backend when a request ends, so
     per-request state could not be freed. The engine mean is the closest causal analogue (it pools exactly the
     queries this layer has served so far). With tensor parallelism each rank keeps its own for its KV heads. Tokens

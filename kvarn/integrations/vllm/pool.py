@@ -365,8 +365,8 @@ class LayerPool:
         self.rows_per_block = lay.tile * geo.e // (lay.head_dim * lay.fp_dtype.itemsize)
         self.rows = self.share.view(lay.fp_dtype).unflatten(-1, (self.rows_per_block, lay.head_dim))
         # rotate="auto" keys: the layer's running query energy, [1, H, D] float32 sums + count, for the whole engine
-        # (all requests pooled; `paged.observe_queries`); kept across pools of the same layer when given
-        # (query-aware keys, `-qar` presets: the running E[q q^T] per KV head, `QueryCovariance`)
+        # (all requests pooled; `paged.observe_queries`, folded in lazily: `PendingQueries`); kept across pools of the
+        # same layer when given (query-aware keys, `-qar` presets: the running E[q q^T] per KV head, `QueryCovariance`)
         if queries is None:
             stats = query_statistics(lay.key_q)
             queries = PendingQueries(stats, geo.num_kv_heads) if stats is not None else None
