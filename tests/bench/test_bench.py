@@ -181,6 +181,10 @@ def test_bench_vllm_table_and_schema(tmp_path):
     assert ("kvarn-k2v2-g128, 32 x (2048 + 256), 212 MiB", "met") in verdicts  # 2.5x stock requests/s
     assert ("kvarn-k4v2-g128, 8 x (512 + 128)", "not measured") in verdicts
     assert [p.name for p in plots(result, tmp_path)] == ["bench-vllm-memory.png"]
+    f32 = {**result, "sections": {"vllm": {**sec, "dtype": "float32"}}}  # float32: the target's budget is 424 MiB
+    verdicts = {(t["where"], t["status"]) for t in check_targets(f32)}
+    assert ("kvarn-k2v2-g128, 32 x (2048 + 256), 424 MiB", "met") in verdicts
+    assert not any("212 MiB" in w for w, _ in verdicts)
 
 
 def test_bench_vllm_rounds_report_median_ratios(monkeypatch, tmp_path):
