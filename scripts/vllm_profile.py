@@ -33,9 +33,11 @@ def warm_engine(preset: str, new: int, requests: int = 8, prompt_tokens: int = 5
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
+    from kvarn.bench.vllm import resolve_dtype
     from kvarn.integrations.vllm import register
     from kvarn.models import resolve
 
+    dtype = resolve_dtype(dtype)  # "auto" as `kvarn bench vllm` means it, not as vLLM does (the model's dtype)
     register()
     path = str(resolve("smollm2"))
     ids = AutoTokenizer.from_pretrained(path)(" ".join(pydoc_data.topics.topics.values()))["input_ids"]

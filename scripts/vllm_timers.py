@@ -3,16 +3,16 @@ slow Python many times over, and in a serving step the backend's Python is what 
 (`make vllm-venv`).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python scripts/vllm_timers.py PRESET|stock [--requests 8] [--prompt-tokens 512]
-        [--new 128] [--kv-mib 4096] [--dtype bfloat16|float16|float32]
+        [--new 128] [--kv-mib 4096] [--dtype bfloat16|float16|float32|auto]
 
 The workload of `kvarn bench vllm`'s equal batch (R requests of P prompt tokens of `pydoc_data.topics` prose, N
-greedy tokens, SmolLM2-135M-Instruct, bfloat16, max_num_seqs R, enforce_eager; the engine in this process), one
-short warm-up request first. Accumulators (`time.perf_counter`) wrap the model's forward, the attention layer's
-forward, and for kvarn `write_step`, `attend_step`, `batched_decode`, `decode_batch`, the prompt pieces'
-`_batched_pieces` and `store_tiles`, and the C++ decode kernel (the seat's registered CPU kernel); each split into
-the first step (the prompts' prefill) and the decode steps. The engine and prompts are scripts/vllm_profile.py's.
-Used for docs/VLLM.md ("The backend's Python in a
-serving step").
+greedy tokens, SmolLM2-135M-Instruct, bfloat16 unless --dtype, max_num_seqs R, enforce_eager; the engine in this
+process), one short warm-up request first. Accumulators (`time.perf_counter`) wrap the model's forward, the attention
+layer's forward, and for kvarn `write_step`, `attend_step`, `observe_queries`, `batched_decode`, `decode_batch`, the
+prompt pieces' `_batched_pieces`, `store_tiles`, and the C++ decode kernel (the seat's registered CPU kernel); each
+split into the first step (the prompts' prefill) and the decode steps. The engine and prompts are
+scripts/vllm_profile.py's.
+Used for docs/VLLM.md ("The backend's Python in a serving step", "The engines' dtype").
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def main() -> None:
     from vllm.model_executor.models import llama
     from vllm_profile import warm_engine  # this folder: the same engine and prompts as the profile
 
+    from kvarn.bench.vllm import DTYPES
     from kvarn.integrations.vllm import backend, paged
     from kvarn.ops import seats
 
@@ -65,7 +66,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--kv-mib", type=int, default=4096)
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     a = ap.parse_args()
     timed(llama.LlamaModel, "forward", "model")
     if a.preset == "stock":

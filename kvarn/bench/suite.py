@@ -200,9 +200,9 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
             mem_mib = _floats(s["vllm_mem_kv_mib"])
             if args.vllm_mem_kv_mib is None:  # the defaults hold ~4 of stock's 16-bit sequences: as many in float32
                 mem_mib = [m * mem_budget_scale(dtype) for m in mem_mib]
-            print(f"kvarn bench vllm: dtype {dtype}" + (f" (auto: this CPU {'has' if dtype == 'bfloat16' else 'lacks'}"
-                                                         " native bf16)" if s["vllm_dtype"] == "auto" else ""),
-                  file=sys.stderr, flush=True)
+            why_dtype = f" (auto: this CPU {'has' if dtype == 'bfloat16' else 'lacks'} native bf16)" \
+                if s["vllm_dtype"] == "auto" else ""
+            print(f"kvarn bench vllm: dtype {dtype}{why_dtype}", file=sys.stderr, flush=True)
             if tok is None:
                 from transformers import AutoTokenizer
 

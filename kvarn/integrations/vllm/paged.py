@@ -45,11 +45,10 @@ kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or pla
     the step's completed key tiles, the transformers cache's order (`LayerStore.observe_queries`: a prompt's own
     queries count for its tiles). Why not per request, as the transformers cache keeps one mean per sequence: vLLM
     shares complete blocks between requests through prefix caching, and a block is quantized once; a per-request
-    mean would make a shared block's bytes
-    depend on which request happened to write it, and vLLM does not tell the backend when a request ends, so
-    per-request state could not be freed. The engine mean is the closest causal analogue (it pools exactly the
-    queries this layer has served so far). With tensor parallelism each rank keeps its own for its KV heads. Tokens
-    with non-finite queries are left out (the mean outlives the request that sent them);
+    mean would make a shared block's bytes depend on which request happened to write it, and vLLM does not tell the
+    backend when a request ends, so per-request state could not be freed. The engine mean is the closest causal
+    analogue (it pools exactly the queries this layer has served so far). With tensor parallelism each rank keeps its
+    own for its KV heads. Tokens with non-finite queries are left out (the mean outlives the request that sent them);
   * store: key tiles are encoded with that mean as the policy's weight (one row per tile, by KV head; values by
     plain squared error, as in the transformers cache), in the same single encode call for all completed blocks,
     served by the fused C++ store kernel (`kvarn::tile_store`, both bases per tile, no Python per block);

@@ -283,9 +283,9 @@ class PendingQueries:
     Folding a step's queries in takes ~10 torch calls (float, pool the GQA heads, square, sum, a finiteness check,
     add), which cost 0.1-0.2 ms per layer in a serving decode step, where every call runs cold (docs/VLLM.md), for a
     few rows. So `add` keeps a step's rows (one copy) and `flush` folds the kept rows in, in chunks of OBSERVE_CHUNK
-    tokens: before anything reads the statistics (every attribute but `add` and `flush` is the statistics' own, read
-    after a flush: the tile store's `key_weight`, the budget rule's `weight`, `count`), when PENDING_ROWS tokens wait,
-    and at once for a step of at least that many (a prompt). A store thus sees every query up to its own step's, as
+    tokens: before anything reads the statistics (`count`, `weight`, `key_weight`, `covariance`: the tile store's key
+    weight, the budget rule's weight), when PENDING_ROWS tokens wait, and at once for a step of at least that many (a
+    prompt). A store thus sees every query up to its own step's, as
     when each step was folded in at once; the sums differ from that only in float32 summation order.
 
     Tokens with a non-finite query (or square) are left out: the mean is the engine's, for good."""
@@ -333,11 +333,23 @@ class PendingQueries:
         if kept:
             e.accumulate(total, kept * (hq // h))
 
-    def __getattr__(self, name: str):  # only for names not found on self: the statistics', after a flush
-        if name in ("stats", "rows", "waiting", "kv_heads"):  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
+    # the readers: each folds in what waits first
+    @property
+    def count(self) -> int:
         self.flush()
-        return getattr(self.stats, name)
+        return self.stats.count
+
+    def weight(self) -> torch.Tensor | None:
+        self.flush()
+        return self.stats.weight()
+
+    def key_weight(self) -> torch.Tensor | None:
+        self.flush()
+        return self.stats.key_weight()
+
+    def covariance(self) -> torch.Tensor | None:  # `QueryCovariance` only
+        self.flush()
+        return self.stats.covariance()
 
 
 class LayerPool:
