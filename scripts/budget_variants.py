@@ -30,6 +30,9 @@ from kvarn.presets.family import BUDGETS, affine_preset, budget_preset, channel_
 from kvarn.presets.registry import register_preset
 
 CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6)
+# 1-bit values' grids: the two levels at mid -/+ clip * range / 2; the MSE-best levels of a Gaussian row, +-0.80 sigma,
+# sit near 0.3 of a 64-128-value row's range (~ +-2.5 sigma)
+CLIPS_1BIT = (1.0, 0.6, 0.5, 0.4, 0.35, 0.3, 0.25, 0.2)
 
 
 def register_variants() -> None:
@@ -67,6 +70,14 @@ def register_variants() -> None:
             name = f"kvarn-b{b}-qar-kc{kc:g}-vc{kc:g}"
             register_preset(name, lambda b=b, kc=kc, name=name: budget_preset(
                 b, pick="best", name=name, rounding="query-aware", clip=(kc, kc)))
+    # a value bit moved to the keys (issue 20, "keys first"): 3- or 4-bit query-aware keys over 1-bit values, the same
+    # bytes as k2v2 (k3v1) or one bit more per key (k4v1)
+    for kb in (3, 4):
+        for g in (128, 64):
+            for vc in CLIPS_1BIT:
+                name = f"kvarn-auto-k{kb}v1-g{g}-qar-vc{vc:g}"
+                register_preset(name, lambda kb=kb, g=g, vc=vc, name=name: affine_preset(
+                    "kvarn-auto", kb, 1, g, name=name, rounding="query-aware", clip=(1.0, vc)))
     # keys stored before RoPE (a lever of issue 20: Qwen2's k_proj bias is a per-channel constant there, which the
     # per-channel zero points absorb; after RoPE it is a per-position sinusoid); reads decode and redo RoPE
     register_preset("kvarn-auto-k2v2-g128-prerope", lambda: affine_preset(

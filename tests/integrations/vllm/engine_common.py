@@ -19,6 +19,9 @@ Every vLLM engine start costs about a minute on 2 cores, so each configuration r
 Figures go to out/vllm/engine.json (`record`), with the command, machine and versions.
 KVARN_VLLM_PREFILL=float32 sets the plugin's `prefill` option for every kvarn engine (unset: its default, "model"),
 to measure what the bf16 prefill costs in agreement (docs/VLLM.md).
+The engines and the transformers references run in `DTYPE`: bf16 where the CPU computes it natively, float32 elsewhere
+(`kvarn bench vllm`'s "auto": without native bf16, torch's bf16 matmuls are several times slower and the engine tests
+took 13 minutes of CI on a 2-core AVX2 VM); KVARN_TEST_VLLM_DTYPE=bfloat16|float32 forces one.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ RUN_TIMEOUT = 1200
 REPORT = ROOT / "out" / "vllm" / "engine.json"
 PREFILL = os.environ.get("KVARN_VLLM_PREFILL")  # additional_config['kvarn']['prefill'] (module docstring)
 
+
 def _vllm_installed() -> bool:
     # a folder named vllm on sys.path would be an implicit namespace package (no origin): not vLLM itself
     import importlib.util
@@ -77,6 +81,17 @@ if not _vllm_installed():
                            "run `make vllm-venv`")
     pytest.skip("vLLM is not installed in this venv (the engine tests run in .venv-vllm: `make test-vllm`)",
                 allow_module_level=True)
+
+
+def _dtype() -> str:
+    from kvarn.bench.vllm import resolve_dtype
+
+    return resolve_dtype(os.environ.get("KVARN_TEST_VLLM_DTYPE", "auto"))
+
+
+DTYPE = _dtype()  # the engines' and references' dtype (module docstring)
+DTYPE_BYTES = 2 if DTYPE == "bfloat16" else 4
+
 
 def model_dir() -> str:
     from kvarn.models import resolve
@@ -108,7 +123,7 @@ def save_tiny(model, folder: Path) -> str:
 
 
 def llm_kwargs(extra: dict | None = None, **over) -> dict:
-    kw = {"model": model_dir(), "dtype": "bfloat16", "max_model_len": 1024, "max_num_seqs": 8, "enforce_eager": True,
+    kw = {"model": model_dir(), "dtype": DTYPE, "max_model_len": 1024, "max_num_seqs": 8, "enforce_eager": True,
           "seed": 0, **over}
     if extra is not None:
         kw["additional_config"] = extra
@@ -235,7 +250,7 @@ def start_server(folder: Path) -> Iterator[Server]:
     port = free_port()
     log, stats = folder / "server.log", folder / "pool.json"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir(), "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", "smollm2", "--dtype", "bfloat16", "--max-model-len", "1024",
+           "--port", str(port), "--served-model-name", "smollm2", "--dtype", DTYPE, "--max-model-len", "1024",
            "--max-num-seqs", "8", "--enforce-eager", "--seed", "0", "--additional-config", json.dumps(kvarn())]
     t = time.time()
     with open(log, "w") as f:
@@ -287,7 +302,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def transformers_logits(path: str, seqs: list[list[int]], preset: str | None, last: int = MAX_NEW,
-                        dtype: str = "bfloat16") -> list:
+                        dtype: str = DTYPE) -> list:
     """The logits (float32 [last, vocab]) with which kvarn's transformers cache (None: no cache) predicts the last
     `last` tokens of each sequence, the model of `path` in `dtype`.
 
@@ -337,7 +352,7 @@ _TOP1: dict[tuple, list[list[int]]] = {}
 
 
 def transformers_top1(seqs: list[list[int]], preset: str | None, last: int = MAX_NEW) -> list[list[int]]:
-    """`transformers_logits`' top-1 tokens on the default model in bf16 (once per session for the same arguments:
+    """`transformers_logits`' top-1 tokens on the default model in DTYPE (once per session for the same arguments:
     the stock reference serves test_engine_auto.py and test_engine_server.py)."""
     key = (tuple(map(tuple, seqs)), preset, last)
     if key not in _TOP1:
@@ -369,7 +384,7 @@ def record(key: str, value) -> None:
     rep = json.loads(REPORT.read_text()) if REPORT.exists() else {}
     rep.update({"command": "make test-vllm", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                 "torch": torch.__version__, "vllm": __import__("vllm").__version__, "model": "smollm2-135m-instruct",
-                "dtype": "bfloat16", "VLLM_CPU_KVCACHE_SPACE_GiB": KV_GIB, "max_num_seqs": 8,
+                "dtype": DTYPE, "VLLM_CPU_KVCACHE_SPACE_GiB": KV_GIB, "max_num_seqs": 8,
                 "prompt_tokens": list(LENGTHS), "new_tokens": MAX_NEW, "prefill": PREFILL or "model"})
     rep[key] = {**rep.get(key, {}), **value} if isinstance(value, dict) and isinstance(rep.get(key), dict) else value
     REPORT.write_text(json.dumps(rep, indent=2) + "\n")

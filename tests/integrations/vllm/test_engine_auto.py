@@ -1,4 +1,5 @@
-"""kvarn's default preset, kvarn-auto-k2v2-g128, served by vLLM's `LLM` (SmolLM2-135M, bf16, CPU).
+"""kvarn's default preset, kvarn-auto-k2v2-g128, served by vLLM's `LLM` (SmolLM2-135M, CPU, in engine_common's
+DTYPE: bf16 where the CPU computes it natively).
 
 One run (`engine_common.engine("auto")`: the stock run's prompts and settings, one batch of 4 prompts of 150 to 520
 tokens, 32 greedy tokens each), then:
@@ -21,6 +22,7 @@ from .engine_common import (  # skips this module where vLLM is not installed
     AUTO_QAR,
     AUTO_QAR_CLIP,
     BUDGET,
+    DTYPE,
     KV_GIB,
     LENGTHS,
     MAX_NEW,
@@ -104,8 +106,8 @@ def test_budget_preset_agrees_and_its_pages_hold_its_bytes() -> None:
     record("free_running_same_position_vs_stock_vllm", {BUDGET: round(agreement(toks, stock), 4)})
 
     preset = get_preset(BUDGET)
-    lay = TileLayout(preset, 64, torch.bfloat16)
-    budget, extra = KV_GIB * 2**30, extra_page_bytes(preset, 30, 3, 64, torch.bfloat16)
+    lay = TileLayout(preset, 64, getattr(torch, DTYPE))
+    budget, extra = KV_GIB * 2**30, extra_page_bytes(preset, 30, 3, 64, getattr(torch, DTYPE))
     geo, seqs_held = choose_pool(lay, 3, 30, budget, 8,
                                  lambda n: fp_slots_for(preset.policy.sink // lay.tile, n), extra)
     assert seqs_held == 8
@@ -123,7 +125,7 @@ def test_budget_preset_agrees_and_its_pages_hold_its_bytes() -> None:
 
 def test_auto_capacity_is_the_layouts() -> None:
     """vLLM's reported KV tokens = kvarn's block count for the budget (`layout.choose_pool` on SmolLM2's 30 layers of
-    3 KV heads of 64, bf16, max_num_seqs 8) x 128, up to the one block vLLM holds back."""
+    3 KV heads of 64, DTYPE, max_num_seqs 8) x 128, up to the one block vLLM holds back."""
     import torch
 
     from kvarn.integrations.vllm.layout import TileLayout, choose_pool, num_blocks_in
@@ -131,7 +133,7 @@ def test_auto_capacity_is_the_layouts() -> None:
     from kvarn.presets import get_preset
 
     preset = get_preset(AUTO)
-    lay = TileLayout(preset, 64, torch.bfloat16)
+    lay = TileLayout(preset, 64, getattr(torch, DTYPE))
     budget = KV_GIB * 2**30
     geo, seqs = choose_pool(lay, 3, 30, budget, 8, lambda n: fp_slots_for(preset.policy.sink // lay.tile, n))
     assert seqs == 8
@@ -145,7 +147,7 @@ def test_auto_capacity_is_the_layouts() -> None:
 def test_auto_generate_time_recorded() -> None:
     """The generate call's wall time (one batch, engine start excluded) at kvarn-auto and stock, per step (prefill step
     + MAX_NEW - 1 decode steps); recorded for docs/VLLM.md."""
-    runs = {"stock_bf16": engine("stock"), AUTO: engine("auto")}
+    runs = {f"stock_{DTYPE}": engine("stock"), AUTO: engine("auto")}
     steps = MAX_NEW
     per_step = {k: round(r.out["generate_seconds"] / steps, 3) for k, r in runs.items()}
     record("generate_seconds_per_step", {**per_step, "prompts": list(LENGTHS)})

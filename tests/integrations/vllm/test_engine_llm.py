@@ -1,16 +1,24 @@
-"""vLLM's `LLM` with the plugin installed but not enabled behaves exactly as stock vLLM (SmolLM2-135M, bf16, CPU).
+"""vLLM's `LLM` with the plugin installed but not enabled behaves exactly as stock vLLM (SmolLM2-135M, CPU, in
+engine_common's DTYPE).
 
 `engine_common.engine("stock")` (kvarn's entry point loaded, no additional_config["kvarn"]) is the reference every
-engine module compares with. Here: it used vLLM's own attention and its bf16 pages (kvarn logs nothing, the registry
-resolves to vLLM's class, the KV capacity is the bf16 pages' count); slow: it gives the greedy tokens and KV capacity
-of vLLM with no plugin loaded at all (VLLM_PLUGINS="", `engine("no-plugin")`, one more engine start).
+engine module compares with. Here: it used vLLM's own attention and its model-dtype pages (kvarn logs nothing, the
+registry resolves to vLLM's class, the KV capacity is those pages' count); slow: it gives the greedy tokens and KV
+capacity of vLLM with no plugin loaded at all (VLLM_PLUGINS="", `engine("no-plugin")`, one more engine start).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from .engine_common import KV_GIB, capacity, engine, model_dir, record  # skips this module where vLLM is not installed
+from .engine_common import (  # skips this module where vLLM is not installed
+    DTYPE_BYTES,
+    KV_GIB,
+    capacity,
+    engine,
+    model_dir,
+    record,
+)
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(3600)]  # vLLM starts take minutes on 2 cores
 
@@ -21,10 +29,10 @@ def test_installed_but_disabled_keeps_vllms_attention_and_pages() -> None:
     run = engine("stock")
     assert "kvarn:" not in run.log
     cfg = AutoConfig.from_pretrained(model_dir())
-    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
-    pages = KV_GIB * 2**30 // per_token  # tokens of bf16 K and V in the budget
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    pages = KV_GIB * 2**30 // (per_token * DTYPE_BYTES)  # tokens of model-dtype K and V in the budget
     assert pages - 128 <= capacity(run.log) <= pages, (capacity(run.log), pages)  # vLLM keeps up to a block back
-    record("disabled_equals_stock", {"kv_tokens": capacity(run.log), "bf16_pages_tokens": pages})
+    record("disabled_equals_stock", {"kv_tokens": capacity(run.log), "model_dtype_pages_tokens": pages})
 
 
 @pytest.mark.slow

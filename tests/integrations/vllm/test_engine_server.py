@@ -30,6 +30,7 @@ import pytest
 
 from .engine_common import (  # skips this module where vLLM is not installed
     AUTO,
+    DTYPE,
     MAX_NEW,
     PRESET,
     agreement,
@@ -109,7 +110,7 @@ def test_capacity_ratios_from_vllm_report(server) -> None:
     row is the default preset's engine run (kvarn-auto-k2v2-g128, test_engine_auto.py; its 8-bit column scales and
     per-tile flags hold slightly more tokens than the paper preset's k2v2 at the same code width)."""
     stock = capacity(engine("stock").log)
-    kv = {"stock_bf16": stock, PRESET: capacity(server.log.read_text()), AUTO: capacity(engine("auto").log)}
+    kv = {f"stock_{DTYPE}": stock, PRESET: capacity(server.log.read_text()), AUTO: capacity(engine("auto").log)}
     ratios = {p: kv[p] / stock for p in (PRESET, AUTO)}
     record("kv_tokens", kv)
     record("capacity_ratio", {p: round(r, 2) for p, r in ratios.items()})
