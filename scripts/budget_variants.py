@@ -78,6 +78,11 @@ def register_variants() -> None:
                 name = f"kvarn-auto-k{kb}v1-g{g}-qar-vc{vc:g}"
                 register_preset(name, lambda kb=kb, g=g, vc=vc, name=name: affine_preset(
                     "kvarn-auto", kb, 1, g, name=name, rounding="query-aware", clip=(1.0, vc)))
+    # G = 64 clipped grids with promoted key layers, at the fp16-scale budget that 8-bit row scales and zero points
+    # would make 2.5 bits (they save 0.25 bits per key and 0.125 per value element at G = 64, head_dim 128): is that
+    # combination worth building (issue 20)?
+    register_preset("kvarn-b2.69-g64-qar-clip", lambda: budget_preset(
+        2.6875, tile=64, pick="best", name="kvarn-b2.69-g64-qar-clip", rounding="query-aware", clip=(0.8, 0.8)))
     # keys stored before RoPE (a lever of issue 20: Qwen2's k_proj bias is a per-channel constant there, which the
     # per-channel zero points absorb; after RoPE it is a per-position sinusoid); reads decode and redo RoPE
     register_preset("kvarn-auto-k2v2-g128-prerope", lambda: affine_preset(

@@ -538,6 +538,14 @@ void dense_values(const float* p, int ss, int M, const float* v, int n, int D, f
   }
 }
 
+constexpr int PF = 8;  // rows: ~1 KB of bf16 rows of D = 64 ahead
+
+template <typename T>
+inline void prefetch_row(const T* row, int D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int o = 0; o < D * static_cast<int>(sizeof(T)); o += 64) __builtin_prefetch(p + o);
+}
+
 struct DenseBuf {  // a chunk of dense rows widened to float32, the chunk's unmasked row indices, the M bias rows
   std::vector<float> buf;
   std::vector<int> idx;
@@ -570,7 +578,13 @@ void dense_rows(const Job& J, int64_t b, int64_t h, State& st, const float* q, K
       }
     }
     if (cn == 0) continue;
-    for (int i = 0; i < cn; ++i) row_to_f32<T>(key_at(c0 + idx[i]), D, buf + i * D);
+    // vLLM's fp slots hold a head's rows in runs of a few rows, one run per block, too short for the hardware
+    // prefetcher: ask for the keys PF rows ahead and for this chunk's values, read after its logits
+    for (int i = 0; i < cn; ++i) {
+      if (i + PF < cn) prefetch_row(key_at(c0 + idx[i + PF]), D);
+      prefetch_row(value_at(c0 + idx[i]), D);
+      row_to_f32<T>(key_at(c0 + idx[i]), D, buf + i * D);
+    }
     dense_logits(q, M, D, buf, cn, s, ss);
     finish_logits(J, b, h, s, ss, cn, pos + c0, idx);
     st.update(s, ss, cn);
