@@ -10,7 +10,8 @@ greedy tokens, SmolLM2-135M-Instruct, bfloat16 unless --dtype, max_num_seqs R, e
 process), one short warm-up request first. Accumulators (`time.perf_counter`) wrap the model's forward, the attention
 layer's forward, and for kvarn `write_step`, `attend_step`, `observe_queries`, `batched_decode`, `decode_batch`, the
 prompt pieces' `_batched_pieces`, `store_tiles`, and the C++ decode kernel (the seat's registered CPU kernel); each
-split into the first step (the prompts' prefill) and the decode steps. The engine and prompts are
+split into the first step (the prompts' prefill) and the decode steps. --layer-parts adds each decoder layer's MLP and
+attention module (projections, RoPE and the attention layer). The engine and prompts are
 scripts/vllm_profile.py's.
 Used for docs/VLLM.md ("The backend's Python in a serving step", "The engines' dtype").
 """
@@ -67,8 +68,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--kv-mib", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument("--layer-parts", action="store_true", help="also time each layer's MLP and attention module")
     a = ap.parse_args()
     timed(llama.LlamaModel, "forward", "model")
+    if a.layer_parts:  # what of the model's time is outside the attention layer (both engines run the same code)
+        timed(llama.LlamaMLP, "forward", "mlp")
+        timed(llama.LlamaAttention, "forward", "attention module")
     if a.preset == "stock":
         from vllm.v1.attention.backends import cpu_attn
 
