@@ -622,6 +622,60 @@ def test_prefill_pieces_decode_their_past_once(sink_blocks: int, dtype: torch.dt
     assert len(pieces) == len(decodes) == 14 and sum(decodes) == 4, (pieces, decodes)
 
 
+@pytest.mark.parametrize(("sink_blocks", "dtype", "family"), [(0, torch.float32, "kvarn"), (1, torch.float32, "kvarn"),
+                                                             (2, torch.float32, "kvarn-auto"),
+                                                             (1, torch.bfloat16, "kvarn")])
+def test_prefill_pasts_of_several_requests_decode_together(sink_blocks: int, dtype: torch.dtype, family: str,
+                                                           monkeypatch) -> None:
+    """Prefill pieces of several requests over a decoded past (FOLD_MAX_ROWS lowered to 8 so G = 16 pieces qualify)
+    read pasts decoded together, one select and one decode per kind and layer (`_decoded_pasts`): no request builds
+    its own view, the outputs match the float64 oracle (float32) and equal, bit for bit, the run in which each
+    request decodes its own past (`_decoded_past` alone), a bf16 model and kvarn-auto's per-tile rotations too; a
+    prefix hit (shared blocks read by two requests) and requests of unequal lengths among them."""
+    import kvarn.attention.packed as packed_mod
+
+    monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
+    monkeypatch.setenv("KVARN_KERNEL", "torch")
+    real_view, real_once = paged.past_view, paged._decoded_past
+
+    def run(together: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
+        views, built = [], []  # past_view calls; those made by `_decoded_past` (decode rows build views too)
+
+        def counted(*a):
+            before = len(views)
+            out = real_once(*a)
+            built.append(len(views) - before)
+            return out
+
+        with monkeypatch.context() as m:
+            m.setattr(paged, "past_view", lambda *a, **k: views.append(1) or real_view(*a, **k))
+            m.setattr(paged, "_decoded_past", counted)
+            if not together:
+                m.setattr(paged, "_decoded_pasts", lambda *a, **k: None)
+            gen = torch.Generator().manual_seed(7)
+            eng = Engine(sink_blocks=sink_blocks, dtype=dtype, family=family)
+            for rid in "abc":
+                eng.add(rid)
+            outs = []
+            for work in ({"a": 3 * G + 5, "b": 2 * G, "c": G + 3},
+                         {"a": 2 * G, "b": 3 * G + 1, "c": 4 * G, "d": 0},
+                         {"a": 1, "d": 3 * G + 2, "c": 2 * G}):
+                if "d" in work and "d" not in eng.blocks:
+                    eng.add("d", shared_from=("a", 3))  # a prefix hit on a's first three blocks
+                    work = {r: t for r, t in work.items() if t}
+                outs.append(eng.step(work, gen))
+                if together and dtype == torch.float32:
+                    _check(eng, outs[-1])
+        return outs, sum(built)
+
+    together, views = run(True)
+    alone, views_alone = run(False)
+    for a, b in zip(together, alone):
+        for rid in a:
+            assert torch.equal(a[rid], b[rid]), rid
+    assert views == 0 and views_alone > 0, (views, views_alone)
+
+
 @pytest.mark.parametrize("sink_blocks", [1, 2])
 def test_batched_decode_equals_per_request_kernel_calls(sink_blocks: int, monkeypatch) -> None:
     """The one-call batched decode equals the per-request kernel calls it replaces: identical page bytes (the same
