@@ -568,6 +568,23 @@ def test_mixed_batch_matches_oracle(read_path, monkeypatch) -> None:
         assert rows == [False, False, True, True, True], rows  # decode rows between pieces: gathered, else a view
 
 
+def _views_per_decoded_past(m: pytest.MonkeyPatch, decoded_past=None) -> list[int]:
+    """Within the monkeypatch context m: each `_decoded_past` call (or `decoded_past` in its place) appends how many
+    `past_view` calls it made to the list returned."""
+    views, built = [], []
+    real_view, inner = paged.past_view, decoded_past or paged._decoded_past
+
+    def counted(*a):
+        before = len(views)
+        out = inner(*a)
+        built.append(len(views) - before)
+        return out
+
+    m.setattr(paged, "past_view", lambda *a, **k: views.append(1) or real_view(*a, **k))
+    m.setattr(paged, "_decoded_past", counted)
+    return built
+
+
 @pytest.mark.parametrize(("sink_blocks", "dtype"), [(0, torch.float32), (1, torch.float32), (2, torch.float32),
                                                    (1, torch.bfloat16)])
 def test_prefill_pieces_decode_their_past_once(sink_blocks: int, dtype: torch.dtype, monkeypatch) -> None:
@@ -581,23 +598,14 @@ def test_prefill_pieces_decode_their_past_once(sink_blocks: int, dtype: torch.dt
 
     monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
     monkeypatch.setenv("KVARN_KERNEL", "torch")
-    real_view, real_once = paged.past_view, paged._decoded_past
+    real_view = paged.past_view
 
     def run(once: bool) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
-        views, decodes = [], []  # past_view calls; per decoded piece, the views it built
-
-        def counted(*a):
-            before = len(views)
-            out = real_once(*a)
-            decodes.append(len(views) - before)
-            return out
-
         with monkeypatch.context() as m:
-            m.setattr(paged, "past_view", lambda *a, **k: views.append(1) or real_view(*a, **k))
-            m.setattr(paged, "_decoded_past", counted if once else
-                      lambda pool, plan, p, i, j, dtype, sdpa, layer, decoded:
-                      decodes.append(1) or tuple(x.dequantized(sdpa, dense=True) for x in
-                                                 real_view(pool, p, j, plan.sink_blocks, dtype, plan, layer)))
+            decodes = _views_per_decoded_past(m, None if once else (  # each piece its own view (not counted)
+                lambda pool, plan, p, i, j, dtype, sdpa, layer, decoded:
+                tuple(x.dequantized(sdpa, dense=True) for x in
+                      real_view(pool, p, j, plan.sink_blocks, dtype, plan, layer))))
             gen = torch.Generator().manual_seed(5)
             eng = Engine(sink_blocks=sink_blocks, dtype=dtype)
             eng.poison["a"] = [(3 * G + 2, "k", 1, 0, 3e7)]  # block 3 kept exact (its fp16 scale overflows)
@@ -636,20 +644,9 @@ def test_prefill_pasts_of_several_requests_decode_together(sink_blocks: int, dty
 
     monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
     monkeypatch.setenv("KVARN_KERNEL", "torch")
-    real_view, real_once = paged.past_view, paged._decoded_past
-
     def run(together: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
-        views, built = [], []  # past_view calls; those made by `_decoded_past` (decode rows build views too)
-
-        def counted(*a):
-            before = len(views)
-            out = real_once(*a)
-            built.append(len(views) - before)
-            return out
-
         with monkeypatch.context() as m:
-            m.setattr(paged, "past_view", lambda *a, **k: views.append(1) or real_view(*a, **k))
-            m.setattr(paged, "_decoded_past", counted)
+            built = _views_per_decoded_past(m)  # decode rows build views too: only `_decoded_past`'s count
             if not together:
                 m.setattr(paged, "_decoded_pasts", lambda *a, **k: None)
             gen = torch.Generator().manual_seed(7)
