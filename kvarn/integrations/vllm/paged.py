@@ -470,41 +470,36 @@ def _decoded_past(pool: LayerPool, plan: StepPlan, p: RequestPlan, i: int, j: in
 
 def _decoded_pasts(pool: LayerPool, plan: StepPlan, requests: dict[int, RequestPlan], dtype: torch.dtype,
                    sdpa: torch.dtype, layer: str, decoded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """`_decoded_past`'s full pasts of several requests at once, into `decoded`: their packed blocks gathered in one
-    select and decoded in one call per kind, then cut per request behind its exact sinks. The same rows as one
+    """`_decoded_past`'s full pasts of the step's requests at once, into `decoded`: their packed blocks gathered in
+    one select and decoded in one call per kind, then cut per request behind its exact sinks. The same rows as one
     request at a time (each tile decodes alone; tests/integrations/vllm/test_paged.py), with far fewer torch calls:
     decoding 8 prompts' pasts one by one took ~11 ms a layer of a prefill step (docs/VLLM.md). Layers with tiles kept
-    exact or keys held aside, and a single request, take `_decoded_past` alone."""
-    if len(requests) < 2 or plan.exact or plan.held.get(layer):
+    exact or keys held aside leave them to `_decoded_past`, which restores those tiles request by request."""
+    if not requests or plan.exact or plan.held.get(layer):
         return
-    lay, g = pool.layout, pool.layout.tile
-    pasts = []  # (request, sink K/V or None, first packed block, last block)
+    lay, g, h = pool.layout, pool.layout.tile, pool.geo.num_kv_heads
+    pasts, blocks = [], []  # (request, sink K/V or None, packed rows of its past); the packed blocks, in order
     for i, p in requests.items():
         last = (p.length - 1) // g  # as in `_decoded_past`: every stored block before the last one touched
         sink = _sink_rows(pool, p, last, plan.sink_blocks, dtype)
         ns = 0 if sink is None else sink[0].shape[2] // g
         sink = None if sink is None else tuple(x.to(torch.float32).to(sdpa) for x in sink)  # `dequantized`'s casts
-        pasts.append((i, sink, ns, last))
-    idx = torch.tensor([b for i, _, ns, last in pasts for b in requests[i].blocks[ns:last]], dtype=torch.long)
+        pasts.append((i, sink, (last - ns) * g))
+        blocks += p.blocks[ns:last]
+    idx = torch.tensor(blocks, dtype=torch.long)
     rows = []
-    for fields, q in ((pool.key_fields, lay.key_q), (pool.value_fields, lay.value_q)):
-        if not len(idx):
-            rows.append(None)
+    for fields, q in ((pool.key_fields, lay.key_q), (pool.value_fields, lay.value_q)):  # [1, H, n * G, D] each
+        if not len(idx):  # every past is exact sinks
+            rows.append(torch.empty(1, h, 0, lay.head_dim, dtype=sdpa, device=pool.rows.device))
             continue
         packed = fields.select(idx).map(lambda v: v.transpose(0, 1)[None])  # [1, H, n, ...]
-        view = StoredKV(None, packed, len(idx), None, _NO_EXACT, None, q, (1, pool.geo.num_kv_heads, lay.head_dim),
-                        dtype)
-        rows.append(view.decode_tiles(0, len(idx), torch.float32, dense=True).to(sdpa))  # [1, H, n * G, D]
+        view = StoredKV(None, packed, len(idx), None, _NO_EXACT, None, q, (1, h, lay.head_dim), dtype)
+        rows.append(view.decode_tiles(0, len(idx), torch.float32, dense=True).to(sdpa))
     at = 0
-    for i, sink, ns, last in pasts:
-        n = (last - ns) * g
-        kv = []
-        for c in (0, 1):
-            parts = ([] if sink is None else [sink[c]]) + ([] if not n else [rows[c][:, :, at:at + n]])
-            kv.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0] if parts else None)
+    for i, sink, n in pasts:
+        decoded[i] = tuple(torch.cat(([] if sink is None else [sink[c]]) + [rows[c][:, :, at:at + n]], dim=2)
+                           for c in (0, 1))
         at += n
-        if kv[0] is not None:
-            decoded[i] = (kv[0], kv[1])
 
 
 def _batch_key(fresh: bool, j: int, q: torch.Tensor, k: torch.Tensor) -> tuple:

@@ -639,11 +639,12 @@ def test_prefill_pasts_of_several_requests_decode_together(sink_blocks: int, dty
     read pasts decoded together, one select and one decode per kind and layer (`_decoded_pasts`): no request builds
     its own view, the outputs match the float64 oracle (float32) and equal, bit for bit, the run in which each
     request decodes its own past (`_decoded_past` alone), a bf16 model and kvarn-auto's per-tile rotations too; a
-    prefix hit (shared blocks read by two requests) and requests of unequal lengths among them."""
+    prefix hit (shared blocks read by two requests), requests of unequal lengths and a step with one such request."""
     import kvarn.attention.packed as packed_mod
 
     monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
     monkeypatch.setenv("KVARN_KERNEL", "torch")
+
     def run(together: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
         with monkeypatch.context() as m:
             built = _views_per_decoded_past(m)  # decode rows build views too: only `_decoded_past`'s count
@@ -656,7 +657,8 @@ def test_prefill_pasts_of_several_requests_decode_together(sink_blocks: int, dty
             outs = []
             for work in ({"a": 3 * G + 5, "b": 2 * G, "c": G + 3},
                          {"a": 2 * G, "b": 3 * G + 1, "c": 4 * G, "d": 0},
-                         {"a": 1, "d": 3 * G + 2, "c": 2 * G}):
+                         {"a": 1, "d": 3 * G + 2, "c": 2 * G},
+                         {"b": 2 * G}):
                 if "d" in work and "d" not in eng.blocks:
                     eng.add("d", shared_from=("a", 3))  # a prefix hit on a's first three blocks
                     work = {r: t for r, t in work.items() if t}
