@@ -83,14 +83,16 @@ if not _vllm_installed():
                 allow_module_level=True)
 
 
-def _dtype() -> str:
+def _dtype() -> tuple[str, int]:
+    import torch
+
     from kvarn.bench.vllm import resolve_dtype
 
-    return resolve_dtype(os.environ.get("KVARN_TEST_VLLM_DTYPE", "auto"))
+    name = resolve_dtype(os.environ.get("KVARN_TEST_VLLM_DTYPE", "auto"))
+    return name, getattr(torch, name).itemsize
 
 
-DTYPE = _dtype()  # the engines' and references' dtype (module docstring)
-DTYPE_BYTES = 2 if DTYPE == "bfloat16" else 4
+DTYPE, DTYPE_BYTES = _dtype()  # the engines' and references' dtype (module docstring); bytes of one K or V element
 
 
 def model_dir() -> str:
