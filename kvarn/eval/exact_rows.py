@@ -8,6 +8,8 @@ A spec is `PART:WHICH`, PART `keys` or `kv` (keys and values), WHICH one of:
   head<h>       KV head h, every token
   top-err<r>    in every 128-token tile, per KV head, the r rows with the largest squared quantization error
   top-norm<r>   the same with the largest exact row norm (massive-activation tokens)
+  top-qerr<r>   the same with the largest query-weighted error e^T E[q q^T] e (the running query second moment of a
+                query-aware preset, as of the read: an upper bound of a choice made at the tile's store)
 The per-tile choices see only the tile itself: a store could make them when the tile is quantized (what keeping r
 rows exact would cost: r x 16 bits per head_dim elements, plus an index, per 128-token tile).
 
@@ -24,16 +26,16 @@ from collections.abc import Callable
 import torch
 
 PARTS = ("keys", "kv")
-WHICH = re.compile(r"^(none|gold-line|other-line|head(\d+)|top-(err|norm)(\d+))$")
-# (exact, decoded, tiles_start, tail_start) [B, H, T, D] -> bool [B, H, T]
-Selector = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+WHICH = re.compile(r"^(none|gold-line|other-line|head(\d+)|top-(err|norm|qerr)(\d+))$")
+# (exact, decoded, tiles_start, tail_start) [B, H, T, D], E[q q^T] [B, H, D, D] or None -> bool [B, H, T]
+Selector = Callable[[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None], torch.Tensor]
 
 
 def parse(spec: str) -> tuple[str, str]:
     part, _, which = spec.partition(":")
     if part not in PARTS or not WHICH.match(which):
         raise ValueError(f"exact-row spec {spec!r}: expected PART:WHICH with PART in {PARTS} and WHICH one of none, "
-                         "gold-line, other-line, head<h>, top-err<r>, top-norm<r>")
+                         "gold-line, other-line, head<h>, top-err<r>, top-norm<r>, top-qerr<r>")
     return part, which
 
 
@@ -41,10 +43,10 @@ def selector(which: str, lines: dict[str, list[int]] | None, tile: int) -> Selec
     """The mask of rows to read exact; `lines` maps gold-line/other-line to token positions."""
     m = WHICH.match(which)
     if m is None:
-        raise ValueError(f"exact-row selection {which!r}: expected none, gold-line, other-line, head<h>, top-err<r> or "
-                         "top-norm<r>")
+        raise ValueError(f"exact-row selection {which!r}: expected none, gold-line, other-line, head<h>, top-err<r>, "
+                         "top-norm<r> or top-qerr<r>")
 
-    def select(ex: torch.Tensor, dec: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    def select(ex: torch.Tensor, dec: torch.Tensor, lo: int, hi: int, cov: torch.Tensor | None = None) -> torch.Tensor:
         mask = torch.zeros(ex.shape[:3], dtype=torch.bool, device=ex.device)
         inner = mask[:, :, lo:hi]  # a view: writes land in mask
         if which == "none" or hi <= lo:
@@ -63,8 +65,14 @@ def selector(which: str, lines: dict[str, list[int]] | None, tile: int) -> Selec
             return mask
         r = int(m.group(4))
         seg = slice(lo, hi)
-        score = ((dec[:, :, seg] - ex[:, :, seg]).float() ** 2).sum(-1) if m.group(3) == "err" else \
-            ex[:, :, seg].float().norm(dim=-1)  # [B, H, hi - lo]
+        err = (dec[:, :, seg] - ex[:, :, seg]).float()  # [B, H, hi - lo, D]
+        if m.group(3) == "qerr":
+            if cov is None:
+                raise ValueError(f"{which}: no running query statistics (a query-aware preset, e.g. one ending in "
+                                 "-qar, keeps them)")
+            score = ((err @ cov.float()) * err).sum(-1)  # e^T C e per row
+        else:
+            score = (err ** 2).sum(-1) if m.group(3) == "err" else ex[:, :, seg].float().norm(dim=-1)
         b, h, n = score.shape
         tiles = score.view(b, h, n // tile, tile)  # the region is whole tiles
         top = tiles.topk(min(r, tile), dim=-1).indices
@@ -114,9 +122,11 @@ class _ExactReads:
 
     def _full(self) -> tuple[torch.Tensor, torch.Tensor]:
         out = list(self.full())
+        queries = self.store.queries
+        cov = queries.covariance() if queries is not None and hasattr(queries, "covariance") else None
         for j, ts in enumerate((self.store.keys, self.store.values)[:2 if self.part == "kv" else 1]):
             ex = torch.cat(self.kept[j], dim=2).to(out[j].dtype)
-            mask = self.select(ex, out[j], ts.tiles_start, ts.tail_start)
+            mask = self.select(ex, out[j], ts.tiles_start, ts.tail_start, cov)
             out[j] = torch.where(mask[..., None], ex, out[j])
         return out[0], out[1]
 

@@ -128,3 +128,37 @@ def test_a_deep_copy_reads_and_appends_apart(seed):
     assert twin.layers[0].get_seq_length() == T + 200 and c.layers[0].get_seq_length() == T
     assert all(torch.equal(a, b) for a, b in zip(c.layers[0].store.full(), before))
     assert twin.layers[0].store.full()[0].shape[2] == T + 200
+
+
+def test_query_weighted_choice_matches_brute_force(seed):
+    """top-qerr<r>: per tile and head the rows of largest e^T E[q q^T] e under the store's running query second moment
+    (a query-aware preset), against float64; a preset that keeps no such statistics is refused by name."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(1, 2, T, 64, generator=gen), torch.randn(1, 2, T, 64, generator=gen)
+    q = torch.randn(1, 4, T, 64, generator=gen) * torch.linspace(0.1, 3, 64)  # uneven query energy per channel
+    caches = []
+    for spec in (None, "keys:top-qerr2"):
+        cache = KVarNCache(CFG, "kvarn-auto-k2v2-g128-qar", attention="reference")
+        if spec is not None:
+            mix_exact(cache, *parse(spec)[:1], selector(parse(spec)[1], None, 128))
+        cache.update(k, v, 0)
+        cache.layers[0].store.observe_queries(q)
+        caches.append(cache)
+    (dec, _), (got, gotv) = (c.layers[0].store.full() for c in caches)
+    cov = caches[1].layers[0].store.queries.covariance().double()  # [1, 2, 64, 64]
+    assert torch.equal(gotv, caches[0].layers[0].store.full()[1])  # keys only
+    e = (dec.double() - k.double())[0]
+    taken_any = False
+    for h in range(2):
+        for t0 in range(128, 512, 128):
+            err = e[h, t0:t0 + 128]
+            score = ((err @ cov[0, h]) * err).sum(-1)
+            want = sorted((score.argsort(descending=True)[:2] + t0).tolist())
+            assert torch.equal(got[0, h, want], k[0, h, want].to(got.dtype))
+            rest = [t for t in range(t0, t0 + 128) if t not in want]
+            assert torch.equal(got[0, h, rest], dec[0, h, rest])
+            plain = set((((err ** 2).sum(-1)).argsort(descending=True)[:2] + t0).tolist())
+            taken_any |= plain != set(want)
+    assert taken_any  # the weighting changes the choice somewhere: not the plain squared error again
+    with pytest.raises(ValueError, match="query statistics"):
+        filled("keys:top-qerr1", torch.Generator().manual_seed(seed))[0].layers[0].store.full()
