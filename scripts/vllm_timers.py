@@ -9,7 +9,7 @@ The workload of `kvarn bench vllm`'s equal batch (R requests of P prompt tokens 
 greedy tokens, SmolLM2-135M-Instruct, bfloat16 unless --dtype, max_num_seqs R, enforce_eager; the engine in this
 process), one short warm-up request first. Accumulators (`time.perf_counter`) wrap the model's forward, the attention
 layer's forward, and for kvarn `write_step`, `attend_step`, `observe_queries`, `batched_decode`, `decode_batch`, the
-prompt pieces' `_batched_pieces`, `store_tiles`, and the C++ decode kernel (the seat's registered CPU kernel); each
+prompt pieces' `_batched_pieces` (SDPA) or `_vllm_pieces` (vLLM's CPU attention), `store_tiles`, and the C++ decode kernel (the seat's registered CPU kernel); each
 split into the first step (the prompts' prefill) and the decode steps. --layer-parts adds each decoder layer's MLP and
 attention module (projections, RoPE and the attention layer). The engine and prompts are
 scripts/vllm_profile.py's.
@@ -84,7 +84,7 @@ def main() -> None:
         timed(backend.KVarNAttentionImpl, "forward", "attention forward")
         for name in ("write_step", "attend_step", "observe_queries"):
             timed(backend, name)
-        for name in ("batched_decode", "decode_batch", "_batched_pieces", "store_tiles"):
+        for name in ("batched_decode", "decode_batch", "_batched_pieces", "_vllm_pieces", "store_tiles"):
             timed(paged, name)
         kernels = getattr(seats, "_KERNELS", None)  # None before b1aaddb (kernels reached through the op only)
         if kernels is not None:

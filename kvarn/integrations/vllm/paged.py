@@ -65,10 +65,12 @@ kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or pla
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvarn.attention import fused
 from kvarn.attention import launch as kernel
@@ -441,9 +443,17 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
                                    kernel=False)  # [1, L, Hq, D]
         output[rows] = out[0]
     _decoded_pasts(pool, plan, {i: p for i, p, *_ in waiting}, query.dtype, sdpa, layer, decoded)
+    ops = _vllm_cpu_ops(pool, query.dtype, sdpa, softcap) if waiting else None
     for i, p, j, rows, q, k, v in waiting:
         past = _decoded_past(pool, plan, p, i, j, query.dtype, sdpa, layer, decoded)
-        same.setdefault(_batch_key(False, j, q, k), []).append((rows, q, k, v, past))
+        if ops is None:
+            same.setdefault(_batch_key(False, j, q, k), []).append((rows, q, k, v, past))
+    if ops is not None:  # every piece over a decoded past in one call of vLLM's CPU attention
+        out = _vllm_pieces(ops, pool, waiting, decoded, scale)
+        at = 0
+        for _, _, _, rows, q, *_ in waiting:
+            output[rows] = out[at:at + q.shape[2]]
+            at += q.shape[2]
     for pieces in same.values():  # block j of equally long prompts: one call for all of them (batch axis)
         out = _batched_pieces(plan, pieces, scale, softcap, sdpa)  # [n, L, Hq, D]
         for (rows, *_), o in zip(pieces, out):
@@ -500,6 +510,79 @@ def _decoded_pasts(pool: LayerPool, plan: StepPlan, requests: dict[int, RequestP
         decoded[i] = tuple(torch.cat(([] if sink is None else [sink[c]]) + [rows[c][:, :, at:at + n]], dim=2)
                            for c in (0, 1))
         at += n
+
+
+def _vllm_cpu_ops(pool: LayerPool, dtype: torch.dtype, sdpa: torch.dtype, softcap: float | None):
+    """vLLM's CPU attention ops (`vllm._custom_ops`) and the ISA its kernel takes for these pieces, or None where the
+    prompt pieces keep PyTorch's SDPA: KVARN_PREFILL_ATTENTION=sdpa, no vLLM, a pool off the CPU, a soft cap, pieces
+    computed in another dtype than the model's (`prefill="float32"` for a bf16 model), or a head size, tile or dtype
+    that vLLM's CPU backend does not serve."""
+    if os.environ.get("KVARN_PREFILL_ATTENTION", "vllm") == "sdpa" or pool.rows.device.type != "cpu" or softcap \
+            or sdpa != dtype:
+        return None
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+    except ImportError:
+        return None
+    lay = pool.layout
+    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache") or lay.tile % 32 or \
+            lay.head_dim not in CPUAttentionBackend.get_supported_head_sizes() or \
+            dtype not in CPUAttentionBackend.supported_dtypes:
+        return None
+    return ops, _get_attn_isa(dtype, lay.tile, lay.head_dim)
+
+
+def _vllm_pieces(ops, pool: LayerPool, waiting: list[tuple], decoded: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 scale: float) -> torch.Tensor:
+    """The prompt pieces over a decoded past (`attend_step`'s `waiting`: request i, block j, rows, q [1, Hq, L, D],
+    its block's exact rows k, v [H, t, D]) as ONE causal call of vLLM's CPU attention (`cpu_attention_with_kv_cache`,
+    the kernel stock vLLM runs; ~2x PyTorch's masked SDPA on these shapes with AMX: docs/VLLM.md) -> [sum L, Hq, D].
+    A scratch page cache holds every request's decoded past once (blocks of G rows: its exact sinks, then its decoded
+    tiles) and each piece's exact block; piece (i, j) is a sequence whose block table is request i's first j past
+    blocks, then its own block, of length j * G + t, its L queries the last L positions (vLLM's causal alignment):
+    the same keys and mask as `_batched_pieces`, summed in another order."""
+    ops, isa = ops
+    g, h, d = pool.layout.tile, pool.geo.num_kv_heads, pool.layout.head_dim
+    first: dict[int, int] = {}  # request -> its first past block in the scratch pages
+    keys, values, n = [], [], 0
+    for i, *_ in waiting:
+        if i not in first:
+            first[i], (kp, vp) = n, decoded[i]  # [1, H, m * G, D]
+            keys.append(kp[0].transpose(0, 1))
+            values.append(vp[0].transpose(0, 1))
+            n += kp.shape[2] // g
+    width = max(j for _, _, j, *_ in waiting) + 1
+    table = torch.zeros(len(waiting), width, dtype=torch.int32)
+    seq, ql, qs = [], [], []
+    for r, (i, _, j, _, q, k, v) in enumerate(waiting):
+        table[r, :j] = torch.arange(first[i], first[i] + j, dtype=torch.int32)
+        table[r, j] = n
+        pad = (0, 0, 0, 0, 0, g - k.shape[1])  # the block's rows past t as zeros: the kernel weighs whole blocks, and
+        keys.append(F.pad(k.transpose(0, 1), pad))  # 0 x (stale NaN) would be NaN; [G, H, D]
+        values.append(F.pad(v.transpose(0, 1), pad))
+        seq.append(j * g + k.shape[1])
+        ql.append(q.shape[2])
+        qs.append(q[0].transpose(0, 1))  # [L, Hq, D]
+        n += 1
+    slots = torch.arange(n * g)  # the pasts' blocks, then each piece's: every row of the scratch pages written
+    cache = torch.empty(n, h, 2 * g, d, dtype=keys[0].dtype)  # vLLM's CPU page: G key rows, then G value rows
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(torch.cat(keys), torch.cat(values), key_cache, value_cache, slots, isa)
+    query = torch.cat(qs)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    start = torch.zeros(len(ql) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(ql, dtype=torch.int32), 0, out=start[1:])
+    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=len(ql), num_heads=query.shape[1], num_kv_heads=h,
+                                               head_dim=d, seq_lens=seq_lens, dtype=query.dtype,
+                                               query_start_loc=start, causal=True, sliding_window_size=-1, isa=isa,
+                                               enable_kv_split=False)
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(query=query, key_cache=key_cache, value_cache=value_cache, output=out,
+                                    query_start_loc=start, seq_lens=seq_lens, scale=scale, causal=True,
+                                    alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
+                                    scheduler_metadata=meta, s_aux=None)
+    return out
 
 
 def _batch_key(fresh: bool, j: int, q: torch.Tensor, k: torch.Tensor) -> tuple:

@@ -919,3 +919,51 @@ def test_pending_queries_fold_lazily_and_equal_eager_folding(stats: str) -> None
             torch.testing.assert_close(lazy.key_weight(), eager.key_weight(), rtol=1e-5, atol=1e-6)
     assert lazy.waiting == 2 and len(lazy.rows) == 1  # the last step waits for a reader
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_pieces_through_vllm_cpu_attention(dtype: torch.dtype, monkeypatch) -> None:
+    """Where vLLM's CPU attention can serve them (head_dim 64, G = 32 here), the prompt pieces over a decoded past go
+    as ONE call of its kernel (`paged._vllm_pieces`) per layer and step: float32 matches the float64 oracle (1e-4) and
+    the SDPA route (1e-5); bf16 matches the SDPA route within bf16 rounding (the two sum in different orders). Steps
+    with several requests, a prefix hit and unequal lengths; KVARN_PREFILL_ATTENTION=sdpa is the SDPA route."""
+    pytest.importorskip("vllm")
+    import sys
+
+    import kvarn.attention.packed as packed_mod
+
+    mod = sys.modules[__name__]
+    monkeypatch.setattr(mod, "G", 32)
+    monkeypatch.setattr(mod, "D", 64)
+    monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
+    monkeypatch.setenv("KVARN_KERNEL", "torch")
+    real = paged._vllm_pieces
+
+    def run(route: str) -> tuple[list[dict[str, torch.Tensor]], int]:
+        calls = []
+        with monkeypatch.context() as m:
+            m.setenv("KVARN_PREFILL_ATTENTION", route)
+            m.setattr(paged, "_vllm_pieces", lambda *a: calls.append(len(a[2])) or real(*a))
+            gen = torch.Generator().manual_seed(11)
+            eng = Engine(sink_blocks=1, dtype=dtype, num_blocks=256)
+            for rid in "abc":
+                eng.add(rid)
+            outs = []
+            for work in ({"a": 3 * 32 + 5, "b": 2 * 32, "c": 32 + 3},
+                         {"a": 2 * 32, "b": 3 * 32 + 1, "c": 4 * 32, "d": 0},
+                         {"a": 1, "d": 3 * 32 + 2, "c": 2 * 32}):
+                if "d" in work and "d" not in eng.blocks:
+                    eng.add("d", shared_from=("a", 3))
+                    work = {r: t for r, t in work.items() if t}
+                outs.append(eng.step(work, gen))
+                if dtype == torch.float32:
+                    _check(eng, outs[-1])
+        return outs, sum(calls)
+
+    fast, pieces = run("vllm")
+    slow, none = run("sdpa")
+    assert pieces >= 8 and none == 0, (pieces, none)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for a, b in zip(fast, slow):
+        for rid in a:
+            torch.testing.assert_close(a[rid].float(), b[rid].float(), rtol=tol, atol=tol, msg=rid)
