@@ -27,7 +27,10 @@ This is what kvarn's transformers cache gives a sequence fed one token at a time
        block j's rows are its dense segments;
      - else `kvarn.attention.packed.packed_attention` (PyTorch: prefill pieces under every KVARN_KERNEL, since the
        kernel is a decode kernel and the matmul path is faster there; every piece when KVARN_KERNEL=torch) over a
-       `StoredKV` view whose packed fields are gathered through the block table.
+       `StoredKV` view whose packed fields are gathered through the block table; prompt pieces over a past decoded
+       densely (many query rows) go instead, all of a step's at once, to ONE call of vLLM's own CPU attention over
+       a scratch page cache (`_vllm_pieces`) where vLLM's CPU kernel serves the head size and dtype, else to SDPA
+       batched by shape (`_batched_pieces`; KVARN_PREFILL_ATTENTION=sdpa forces it).
      Decode-like pieces follow `kvarn.attention.fused.take` (KVARN_KERNEL=auto: the kernel when it loads; torch;
      cpu: the kernel or an error naming why not), as the transformers cache does.
   Budget presets (`budget`): the same per layer once the engine's key widths are decided; before, completed tiles
