@@ -11,9 +11,8 @@ process), one short warm-up request first. Accumulators (`time.perf_counter`) wr
 layer's forward, and for kvarn `write_step`, `attend_step`, `observe_queries`, `batched_decode`, `decode_batch`, the
 prompt pieces' `_batched_pieces` (SDPA) or `_vllm_pieces` (vLLM's CPU attention), `store_tiles`, and the C++ decode
 kernel (the seat's registered CPU kernel); each split into the first step (the prompts' prefill) and the decode
-steps. --layer-parts adds each decoder layer's MLP and
-attention module (projections, RoPE and the attention layer). The engine and prompts are
-scripts/vllm_profile.py's.
+steps. --layer-parts adds each decoder layer's MLP and attention module (projections, RoPE and the attention layer).
+The engine and prompts are scripts/vllm_profile.py's.
 Used for docs/VLLM.md ("The backend's Python in a serving step", "The engines' dtype").
 """
 

@@ -452,7 +452,7 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
         if ops is None:
             same.setdefault(_batch_key(False, j, q, k), []).append((rows, q, k, v, past))
     if ops is not None:  # every piece over a decoded past in one call of vLLM's CPU attention
-        out = _vllm_pieces(ops, pool, waiting, decoded, scale)
+        out = _vllm_pieces(ops, waiting, decoded, scale, g)
         at = 0
         for _, _, _, rows, q, *_ in waiting:
             output[rows] = out[at:at + q.shape[2]]
@@ -516,48 +516,52 @@ def _decoded_pasts(pool: LayerPool, plan: StepPlan, requests: dict[int, RequestP
 
 
 def _vllm_cpu_ops(pool: LayerPool, dtype: torch.dtype, sdpa: torch.dtype, softcap: float | None):
-    """vLLM's CPU attention ops (`vllm._custom_ops`) and the ISA its kernel takes for these pieces, or None where the
-    prompt pieces keep PyTorch's SDPA: KVARN_PREFILL_ATTENTION=sdpa, no vLLM, a pool off the CPU, a soft cap, pieces
-    computed in another dtype than the model's (`prefill="float32"` for a bf16 model), or a head size, tile or dtype
-    that vLLM's CPU backend does not serve."""
+    """`vllm_cpu_attention` for this layer's prompt pieces, or None where they keep PyTorch's SDPA:
+    KVARN_PREFILL_ATTENTION=sdpa, a pool off the CPU, a soft cap, or pieces computed in another dtype than the model's
+    (`prefill="float32"` for a bf16 model)."""
     if os.environ.get("KVARN_PREFILL_ATTENTION", "vllm") == "sdpa" or pool.rows.device.type != "cpu" or softcap \
             or sdpa != dtype:
         return None
+    return vllm_cpu_attention(dtype, pool.layout.tile, pool.layout.head_dim)
+
+
+def vllm_cpu_attention(dtype: torch.dtype, tile: int, head_dim: int):
+    """vLLM's CPU attention ops (`vllm._custom_ops`) and the ISA its kernel takes for pages of `tile` rows, or None:
+    no vLLM, or a head size, tile or dtype that vLLM's CPU backend does not serve."""
     try:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
     except ImportError:
         return None
-    lay = pool.layout
-    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache") or lay.tile % 32 or \
-            lay.head_dim not in CPUAttentionBackend.get_supported_head_sizes() or \
+    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache") or tile % 32 or \
+            head_dim not in CPUAttentionBackend.get_supported_head_sizes() or \
             dtype not in CPUAttentionBackend.supported_dtypes:
         return None
-    return ops, _get_attn_isa(dtype, lay.tile, lay.head_dim)
+    return ops, _get_attn_isa(dtype, tile, head_dim)
 
 
-def _vllm_pieces(ops, pool: LayerPool, waiting: list[tuple], decoded: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                 scale: float) -> torch.Tensor:
+def _vllm_pieces(ops, waiting: list[tuple], decoded: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float,
+                 tile: int) -> torch.Tensor:
     """The prompt pieces over a decoded past (`attend_step`'s `waiting`: request i, block j, rows, q [1, Hq, L, D],
-    its block's exact rows k, v [H, t, D]) as ONE causal call of vLLM's CPU attention (`cpu_attention_with_kv_cache`,
-    the kernel stock vLLM runs; ~2x PyTorch's masked SDPA on these shapes with AMX: docs/VLLM.md) -> [sum L, Hq, D].
-    A scratch page cache holds every request's decoded past once (blocks of G rows: its exact sinks, then its decoded
-    tiles) and each piece's exact block; piece (i, j) is a sequence whose block table is request i's first j past
-    blocks, then its own block, of length j * G + t, its L queries the last L positions (vLLM's causal alignment):
-    the same keys and mask as `_batched_pieces`, summed in another order."""
+    its block's exact rows k, v [H, t, D]; `decoded[i]`: request i's past, K and V [1, H, m * tile, D]) as ONE causal
+    call of vLLM's CPU attention (`cpu_attention_with_kv_cache`, the kernel stock vLLM runs; 1.2x-1.8x faster than
+    `_batched_pieces` with AMX, fill included: docs/VLLM.md) -> [sum L, Hq, D]; `ops` from `vllm_cpu_attention`.
+    A scratch page cache holds every request's decoded past once (its exact sinks, then its decoded tiles) and each
+    piece's exact block; piece (i, j) is a sequence whose block table is request i's first j past blocks, then its
+    own block, of length j * tile + t, its L queries the last L positions (vLLM's causal alignment): the same keys and
+    mask as `_batched_pieces`, summed in another order."""
     ops, isa = ops
-    g, h, d = pool.layout.tile, pool.geo.num_kv_heads, pool.layout.head_dim
+    g = tile
     first: dict[int, int] = {}  # request -> its first past block in the scratch pages
     keys, values, n = [], [], 0
     for i, *_ in waiting:
         if i not in first:
-            first[i], (kp, vp) = n, decoded[i]  # [1, H, m * G, D]
-            keys.append(kp[0].transpose(0, 1))
+            first[i], (kp, vp) = n, decoded[i]
+            keys.append(kp[0].transpose(0, 1))  # [m * G, H, D]
             values.append(vp[0].transpose(0, 1))
             n += kp.shape[2] // g
-    width = max(j for _, _, j, *_ in waiting) + 1
-    table = torch.zeros(len(waiting), width, dtype=torch.int32)
-    seq, ql, qs = [], [], []
+    table = torch.zeros(len(waiting), max(j for _, _, j, *_ in waiting) + 1, dtype=torch.int32)
+    seq, ql = [], []
     for r, (i, _, j, _, q, k, v) in enumerate(waiting):
         table[r, :j] = torch.arange(first[i], first[i] + j, dtype=torch.int32)
         table[r, j] = n
@@ -566,13 +570,13 @@ def _vllm_pieces(ops, pool: LayerPool, waiting: list[tuple], decoded: dict[int, 
         values.append(F.pad(v.transpose(0, 1), pad))
         seq.append(j * g + k.shape[1])
         ql.append(q.shape[2])
-        qs.append(q[0].transpose(0, 1))  # [L, Hq, D]
         n += 1
-    slots = torch.arange(n * g)  # the pasts' blocks, then each piece's: every row of the scratch pages written
+    h, d = keys[0].shape[1:]
     cache = torch.empty(n, h, 2 * g, d, dtype=keys[0].dtype)  # vLLM's CPU page: G key rows, then G value rows
     key_cache, value_cache = cache.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(torch.cat(keys), torch.cat(values), key_cache, value_cache, slots, isa)
-    query = torch.cat(qs)
+    ops.cpu_attn_reshape_and_cache(torch.cat(keys), torch.cat(values), key_cache, value_cache, torch.arange(n * g),
+                                   isa)  # every row of the scratch pages written
+    query = torch.cat([q[0].transpose(0, 1) for *_, q, _, _ in waiting])  # [sum L, Hq, D]
     seq_lens = torch.tensor(seq, dtype=torch.int32)
     start = torch.zeros(len(ql) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor(ql, dtype=torch.int32), 0, out=start[1:])
