@@ -10,6 +10,10 @@ A spec is `PART:WHICH`, PART `keys` or `kv` (keys and values), WHICH one of:
   top-norm<r>   the same with the largest exact row norm (massive-activation tokens)
   top-qerr<r>   the same with the largest query-weighted error e^T E[q q^T] e (the running query second moment of a
                 query-aware preset, as of the read: an upper bound of a choice made at the tile's store)
+  top-mass<r>   the same with the largest attention mass received from the queries up to the tile's end (mid-sequence
+                sinks: the softmax weights of the tile's own prompt chunk and earlier ones, summed over the query
+                heads of the KV head; exact keys, scale 1/sqrt(D)): what a store could choose when it quantizes the
+                tile, if the attention of that chunk handed it its weights
 The per-tile choices see only the tile itself: a store could make them when the tile is quantized (what keeping r
 rows exact would cost: r x 16 bits per head_dim elements, plus an index, per 128-token tile).
 
@@ -22,20 +26,31 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 PARTS = ("keys", "kv")
-WHICH = re.compile(r"^(none|gold-line|other-line|head(\d+)|top-(err|norm|qerr)(\d+))$")
-# (exact, decoded, tiles_start, tail_start) [B, H, T, D], E[q q^T] [B, H, D, D] or None -> bool [B, H, T]
-Selector = Callable[[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None], torch.Tensor]
+WHICH = re.compile(r"^(none|gold-line|other-line|head(\d+)|top-(err|norm|qerr|mass)(\d+))$")
+
+
+class Seen(NamedTuple):
+    """What the queries left as of a read: E[q q^T] [B, H, D, D] of a query-aware preset, and the attention mass
+    [B, H, T] each row received from the queries up to its tile's end (None where not kept)."""
+    cov: torch.Tensor | None = None
+    mass: torch.Tensor | None = None
+
+
+NOT_SEEN = Seen()
+# (exact, decoded, tiles_start, tail_start) [B, H, T, D], Seen -> bool [B, H, T]
+Selector = Callable[[torch.Tensor, torch.Tensor, int, int, Seen], torch.Tensor]
 
 
 def parse(spec: str) -> tuple[str, str]:
     part, _, which = spec.partition(":")
     if part not in PARTS or not WHICH.match(which):
         raise ValueError(f"exact-row spec {spec!r}: expected PART:WHICH with PART in {PARTS} and WHICH one of none, "
-                         "gold-line, other-line, head<h>, top-err<r>, top-norm<r>, top-qerr<r>")
+                         "gold-line, other-line, head<h>, top-err<r>, top-norm<r>, top-qerr<r>, top-mass<r>")
     return part, which
 
 
@@ -44,9 +59,9 @@ def selector(which: str, lines: dict[str, list[int]] | None, tile: int) -> Selec
     m = WHICH.match(which)
     if m is None:
         raise ValueError(f"exact-row selection {which!r}: expected none, gold-line, other-line, head<h>, top-err<r>, "
-                         "top-norm<r> or top-qerr<r>")
+                         "top-norm<r>, top-qerr<r> or top-mass<r>")
 
-    def select(ex: torch.Tensor, dec: torch.Tensor, lo: int, hi: int, cov: torch.Tensor | None = None) -> torch.Tensor:
+    def select(ex: torch.Tensor, dec: torch.Tensor, lo: int, hi: int, seen: Seen = NOT_SEEN) -> torch.Tensor:
         mask = torch.zeros(ex.shape[:3], dtype=torch.bool, device=ex.device)
         inner = mask[:, :, lo:hi]  # a view: writes land in mask
         if which == "none" or hi <= lo:
@@ -67,10 +82,14 @@ def selector(which: str, lines: dict[str, list[int]] | None, tile: int) -> Selec
         seg = slice(lo, hi)
         err = (dec[:, :, seg] - ex[:, :, seg]).float()  # [B, H, hi - lo, D]
         if m.group(3) == "qerr":
-            if cov is None:
+            if seen.cov is None:
                 raise ValueError(f"{which}: no running query statistics (a query-aware preset, e.g. one ending in "
                                  "-qar, keeps them)")
-            score = ((err @ cov.float()) * err).sum(-1)  # e^T C e per row
+            score = ((err @ seen.cov.float()) * err).sum(-1)  # e^T C e per row
+        elif m.group(3) == "mass":
+            if seen.mass is None:
+                raise ValueError(f"{which}: no queries were observed (the attention function hands them over)")
+            score = seen.mass[:, :, seg]
         else:
             score = (err ** 2).sum(-1) if m.group(3) == "err" else ex[:, :, seg].float().norm(dim=-1)
         b, h, n = score.shape
@@ -79,6 +98,7 @@ def selector(which: str, lines: dict[str, list[int]] | None, tile: int) -> Selec
         inner.view(b, h, n // tile, tile).scatter_(-1, top, True)
         return mask
 
+    select.needs_mass = m.group(3) == "mass"  # type: ignore[attr-defined]  # `_ExactReads` then tracks the mass
     return select
 
 
@@ -114,11 +134,36 @@ class _ExactReads:
         self.kept: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.append, self.full, self.store = layer._append, layer.store.full, layer.store
         layer._append, layer.store.full = self._append, self._full
+        self.mass: torch.Tensor | None = None  # [B, H, T] float32, for top-mass
+        if getattr(select, "needs_mass", False):
+            if layer.rope is not None:
+                raise ValueError("top-mass weighs the stored keys with post-RoPE queries: not for a preset that "
+                                 "stores keys pre-RoPE")
+            self.tile, self.observe = layer.policy.tile, layer.store.observe_queries
+            layer.store.observe_queries = self._observe
 
     def _append(self, k, v, positions, pad) -> None:
         self.kept[0].append(k.detach().clone())
         self.kept[1].append(v.detach().clone())
         self.append(k, v, positions, pad)
+
+    def _observe(self, q: torch.Tensor) -> None:
+        """q [B, Hq, t, D], the queries of the newest t positions (post-RoPE, as attention sees them): add the softmax
+        weights they give each exact key row, counting a row's only while its tile is still open (the query's
+        position before the tile's end), then hand them on to the store."""
+        k = torch.cat(self.kept[0], dim=2).float()  # [B, Hk, n, D], post-RoPE
+        b, hk, n, d = k.shape
+        t, g = q.shape[2], q.shape[1] // hk
+        qpos, kpos = torch.arange(n - t, n), torch.arange(n)
+        s = (q.detach().float().view(b, hk, g, t, d) @ k[:, :, None].transpose(-1, -2)) * d ** -0.5  # [B,Hk,g,t,n]
+        w = s.masked_fill(kpos > qpos[:, None], float("-inf")).softmax(-1)
+        sink = self.store.keys.sink_len
+        end = torch.where(kpos >= sink, sink + ((kpos - sink) // self.tile + 1) * self.tile, n)  # the row's tile end
+        mass = (w * (qpos[:, None] < end)).sum((2, 3))  # [B, Hk, n]
+        if self.mass is not None:
+            mass[:, :, :self.mass.shape[2]] += self.mass
+        self.mass = mass
+        self.observe(q)
 
     def _full(self) -> tuple[torch.Tensor, torch.Tensor]:
         out = list(self.full())
@@ -126,7 +171,10 @@ class _ExactReads:
         cov = queries.covariance() if queries is not None and hasattr(queries, "covariance") else None
         for j, ts in enumerate((self.store.keys, self.store.values)[:2 if self.part == "kv" else 1]):
             ex = torch.cat(self.kept[j], dim=2).to(out[j].dtype)
-            mask = self.select(ex, out[j], ts.tiles_start, ts.tail_start, cov)
+            mass = self.mass
+            if mass is not None and mass.shape[2] < ex.shape[2]:  # rows appended since the last queries
+                mass = torch.nn.functional.pad(mass, (0, ex.shape[2] - mass.shape[2]))
+            mask = self.select(ex, out[j], ts.tiles_start, ts.tail_start, Seen(cov, mass))
             out[j] = torch.where(mask[..., None], ex, out[j])
         return out[0], out[1]
 

@@ -162,3 +162,42 @@ def test_query_weighted_choice_matches_brute_force(seed):
     assert taken_any  # the weighting changes the choice somewhere: not the plain squared error again
     with pytest.raises(ValueError, match="query statistics"):
         filled("keys:top-qerr1", torch.Generator().manual_seed(seed))[0].layers[0].store.full()
+
+
+def test_attention_mass_choice_matches_brute_force(seed):
+    """top-mass<r>: per tile and head the rows that received the most softmax weight from the queries up to the tile's
+    end (chunks of 128 as the serving protocol feeds them), against float64; a mid-sequence sink row is taken."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(1, 2, T, 64, generator=gen), torch.randn(1, 2, T, 64, generator=gen)
+    mu = torch.randn(64, generator=gen)
+    q = torch.randn(1, 4, T, 64, generator=gen) + mu  # queries share a direction: a key along it is a sink
+    k[:, :, 300] = 0.5 * mu
+    caches = []
+    for spec in (None, "keys:top-mass2"):
+        cache = KVarNCache(CFG, "kvarn-auto-k2v2-g128", attention="reference")
+        if spec is not None:
+            mix_exact(cache, *parse(spec)[:1], selector(parse(spec)[1], None, 128))
+        for c in range(0, T, 128):
+            cache.layers[0].update(k[:, :, c:c + 128], v[:, :, c:c + 128])
+            cache.layers[0].store.observe_queries(q[:, :, c:c + 128])
+        caches.append(cache)
+    (dec, decv), (got, gotv) = (c.layers[0].store.full() for c in caches)
+    assert torch.equal(gotv, decv)  # keys only
+    k64, q64 = k.double()[0], q.double()[0].view(2, 2, T, 64)  # [Hk, T, D], [Hk, group, T, D]
+    w = (q64 @ k64[:, None].transpose(-1, -2)) / 8  # [Hk, g, T (query), T (key)]
+    w = w.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    checked = 0
+    for h in range(2):
+        for t0 in range(128, 512, 128):
+            mass = w[h, :, t0:t0 + 128, t0:t0 + 128].sum((0, 1))  # queries of the tile's own chunk only
+            top = mass.argsort(descending=True)
+            if mass[top[1]] - mass[top[2]] < 1e-4 * mass[top[1]]:
+                continue  # a float32 near tie at the cut
+            want = sorted((top[:2] + t0).tolist())
+            assert torch.equal(got[0, h, want], k[0, h, want].to(got.dtype))
+            rest = [t for t in range(t0, t0 + 128) if t not in want]
+            assert torch.equal(got[0, h, rest], dec[0, h, rest])
+            checked += 1
+    assert checked >= 4 and torch.equal(got[0, :, 300], k[0, :, 300])  # the sink row is its tile's choice
+    with pytest.raises(ValueError, match="pre-RoPE"):
+        mix_exact(KVarNCache(CFG, "kvquant-k2v2-1pct", attention="reference"), "keys", selector("top-mass1", None, 128))
