@@ -427,3 +427,35 @@ def test_both_vector_widths_give_the_same_bits(tmp_path, monkeypatch):
     assert a.keys() == b.keys() and len(a) == 63
     differ = [key for key in a if not torch.equal(a[key], b[key])]
     assert not differ, f"{len(differ)} of {len(a)} outputs differ between {other} lanes and this CPU's: {differ[:5]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_rows_matches_indexed_write(dtype, seed):
+    """decode.cpp's `write_rows` (a serving step's fresh K/V rows into their fp slots) writes what the PyTorch indexed
+    write does, bit for bit, from key/value views of one qkv tensor as vLLM hands them; bad indices are refused before
+    anything is written, and another dtype is left to the caller."""
+    from kvarn.kernels.cpu.decode import write_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    n, h, r, d, t = 6, 3, 8, 64, 11
+    share = torch.randn(n, h, r * d + 16, generator=gen).to(dtype)  # rows of a page, padded as a pool's share is
+    rows = share[..., :r * d].unflatten(-1, (r, d))  # [N, H, R, D], strided
+    qkv = torch.randn(t, (9 + 2 * h) * d, generator=gen).to(dtype)
+    key = qkv[:, 9 * d:(9 + h) * d].view(t, h, d)
+    value = qkv[:, (9 + h) * d:].view(t, h, d)
+    tok = torch.tensor([4, 0, 9, 5])
+    blk = torch.tensor([[0, 0], [2, 3], [5, 1], [4, 4]])
+    sub = torch.tensor([[1, 5], [7, 0], [2, 2], [0, 6]])
+    old = rows.clone()
+    want = rows.clone()
+    want[blk, :, sub] = torch.stack([key[tok], value[tok]], 1)
+    assert write_rows(rows, key, value, tok, blk, sub)
+    assert torch.equal(rows, want) and not torch.equal(rows, old)
+    before = share.clone()
+    with pytest.raises(RuntimeError, match="out of range"):
+        write_rows(rows, key, value, torch.tensor([4, 0, 9, t]), blk, sub)
+    with pytest.raises(RuntimeError, match="out of range"):
+        write_rows(rows, key, value, tok, blk, sub + torch.tensor([[0, r], [0, 0], [0, 0], [0, 0]]))
+    assert torch.equal(share, before)  # refused before any write
+    other = torch.float16 if dtype == torch.float32 else torch.float32
+    assert not write_rows(rows, key.to(other), value.to(other), tok, blk, sub) and torch.equal(share, before)

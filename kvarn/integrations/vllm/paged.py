@@ -81,6 +81,7 @@ from kvarn.attention.packed import KVarNPast, allowed, compute_dtype, decodes_pa
 from kvarn.attention.view import StoredKV
 from kvarn.cache.store import fits_dtype
 from kvarn.integrations.vllm.pool import Held, LayerPool, RequestPlan, StepPlan
+from kvarn.kernels.cpu import decode as cpu_kernel
 from kvarn.ops import dispatch
 from kvarn.ops.decode import indexed_rows
 from kvarn.quant.policy import kernel_weighted
@@ -160,8 +161,10 @@ def write_step(pool: LayerPool, plan: StepPlan, key: torch.Tensor, value: torch.
     done_k, done_v, done_blocks, done_where = [], [], [], []
     batch = decode_batch(plan, pool)
     if batch is not None:  # every decode row at once: its fresh K, V rows straight into their fp slots
-        fresh = torch.stack([key[batch.rows], value[batch.rows]], 1)  # [B, 2, H, D]
-        pool.rows[batch.write_blk, :, batch.write_sub] = fresh if fresh.dtype == fp else fresh.to(fp)
+        if batch.tok is None or not cpu_kernel.write_rows(pool.rows, key, value, batch.tok, batch.write_blk,
+                                                          batch.write_sub):
+            fresh = torch.stack([key[batch.rows], value[batch.rows]], 1)  # [B, 2, H, D]
+            pool.rows[batch.write_blk, :, batch.write_sub] = fresh if fresh.dtype == fp else fresh.to(fp)
         if batch.done_blocks:  # the blocks these tokens complete: their exact rows, now all in their slots
             kv = pool.rows[batch.done_blk, :, batch.done_sub].to(key.dtype)  # [n, 2, G, H, D]
             done_k.extend(kv[:, 0].transpose(1, 2).unbind(0))
@@ -657,6 +660,7 @@ class DecodeBatch:
     rows: slice | torch.Tensor  # [B] rows of the step's [T, ...] tensors: a slice where consecutive (a view)
     write_blk: torch.Tensor  # [B, 2] (K, V) where the fresh rows go in `LayerPool.rows`
     write_sub: torch.Tensor
+    tok: torch.Tensor | None  # [B] int64 `rows` as indices, for the CPU's one-call write (None off the CPU)
     dense_index: torch.Tensor  # [B, 2, t] int64 row ids n * R + r into `LayerPool.rows` [N, H, R, D]
     table: torch.Tensor  # [B, max_tiles] int32
     n_blocks: torch.Tensor  # [B] int32
@@ -750,7 +754,8 @@ def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
 
     chosen = frozenset(reqs)
     rows = slice(tok[0], tok[0] + b) if tok == list(range(tok[0], tok[0] + b)) else to(torch.tensor(tok))
-    return DecodeBatch(reqs, chosen, rows, to(write_blk), to(write_sub), to(dense_index),
+    tok_t = torch.tensor(tok) if dev.type == "cpu" else None
+    return DecodeBatch(reqs, chosen, rows, to(write_blk), to(write_sub), tok_t, to(dense_index),
                        to(table), to(n_blocks), tiles_len, to(bias), sb * g,
                        to(torch.tensor(ns, dtype=torch.int32)), to(cur_row_t.to(torch.int32) + 1), done, done_where,
                        to(done_blk), to(done_sub), [x for x in _pieces(plan, g) if x[0] not in chosen])

@@ -900,3 +900,43 @@ std::vector<at::Tensor> decode_attention(
   if (J.hmat) return {out_p, at::Tensor()};
   return {out_p, out_r};
 }
+
+// A decode step's fresh K and V rows into their full-precision slots (vLLM's pages, kvarn.integrations.vllm.paged):
+//     rows[blk[b, 0], h, sub[b, 0]] = key[tok[b], h],  rows[blk[b, 1], h, sub[b, 1]] = value[tok[b], h]
+// for every row b and head h: what `rows[blk, :, sub] = stack([key[tok], value[tok]], 1)` does, as plain copies in
+// one call (two torch calls a layer and step fewer). rows [N, H, R, D], key and value [T, H, D] of rows' dtype, unit
+// stride on D; tok int64 [B], blk and sub int64 [B, 2] contiguous; every index is checked before anything is written.
+void write_rows(at::Tensor rows, const at::Tensor& key, const at::Tensor& value, const at::Tensor& tok,
+                const at::Tensor& blk, const at::Tensor& sub) {
+  TORCH_CHECK(rows.dim() == 4 && key.dim() == 3 && value.dim() == 3,
+              "kvarn write_rows: rows [N,H,R,D], key/value [T,H,D]");
+  TORCH_CHECK(key.scalar_type() == rows.scalar_type() && value.scalar_type() == rows.scalar_type(),
+              "kvarn write_rows: key, value and rows must share a dtype");
+  const int64_t H = rows.size(1), D = rows.size(3);
+  TORCH_CHECK(key.size(1) == H && value.size(1) == H && key.size(2) == D && value.size(2) == D &&
+                  value.size(0) == key.size(0),
+              "kvarn write_rows: key/value [T, H, D] must match rows' H and D");
+  TORCH_CHECK(rows.stride(3) == 1 && key.stride(2) == 1 && value.stride(2) == 1, "kvarn write_rows: unit stride on D");
+  TORCH_CHECK(tok.scalar_type() == at::kLong && blk.scalar_type() == at::kLong && sub.scalar_type() == at::kLong &&
+                  tok.dim() == 1 && blk.dim() == 2 && sub.dim() == 2 && blk.size(1) == 2 && sub.size(1) == 2 &&
+                  blk.size(0) == tok.size(0) && sub.size(0) == tok.size(0) && tok.is_contiguous() &&
+                  blk.is_contiguous() && sub.is_contiguous(),
+              "kvarn write_rows: tok int64 [B], blk and sub int64 [B, 2], contiguous");
+  const int64_t B = tok.size(0), T = key.size(0), N = rows.size(0), R = rows.size(2);
+  const int64_t *pt = tok.data_ptr<int64_t>(), *pb = blk.data_ptr<int64_t>(), *ps = sub.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pt[b] >= 0 && pt[b] < T, "kvarn write_rows: token index out of range");
+    for (int k = 0; k < 2; ++k)
+      TORCH_CHECK(pb[2 * b + k] >= 0 && pb[2 * b + k] < N && ps[2 * b + k] >= 0 && ps[2 * b + k] < R,
+                  "kvarn write_rows: slot row out of range");
+  }
+  const int64_t e = rows.element_size();
+  char* dst = static_cast<char*>(rows.data_ptr());
+  const char* src[2] = {static_cast<const char*>(key.data_ptr()), static_cast<const char*>(value.data_ptr())};
+  const int64_t s0[2] = {key.stride(0), value.stride(0)}, s1[2] = {key.stride(1), value.stride(1)};
+  for (int64_t b = 0; b < B; ++b)
+    for (int k = 0; k < 2; ++k)
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(dst + (pb[2 * b + k] * rows.stride(0) + h * rows.stride(1) + ps[2 * b + k] * rows.stride(2)) * e,
+                    src[k] + (pt[b] * s0[k] + h * s1[k]) * e, D * e);
+}

@@ -18,9 +18,13 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
 
 at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, double damp);
 
+void write_rows(at::Tensor rows, const at::Tensor& key, const at::Tensor& value, const at::Tensor& tok,
+                const at::Tensor& blk, const at::Tensor& sub);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "fused decode attention over packed KVarN tiles");
   m.def("query_aware_coefficients", &query_aware_coefficients,
         "query-aware rounding's coefficients per tile and basis (kvarn.ops.rtn.query_aware_bases)");
+  m.def("write_rows", &write_rows, "a decode step's fresh K/V rows into their fp slots (vLLM pages)");
   m.def("store_tiles", &store_tiles, "fused tile store: Hadamard, VarN, RTN, fold, pack (AffineQuantizer tiles)");
 }
