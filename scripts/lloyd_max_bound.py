@@ -18,6 +18,8 @@ attention-output proxy that chose that clip (`scripts/key_output_error.py`: |o(K
     row Lloyd-Max       the row's own 4 optimal levels (1-D k-means; 4 numbers a row: +2 fp16 a row, an upper bound)
     + exact outliers    clip 0.8 with the tile's largest-error entries (a share of the tile) kept exact
     3 / 4 bits          uniform, clip tuned per row as above: the scale of what more key bits buy
+    query-whitened      the issue's "query-whitened basis" as a candidate: keys stored as W k, W = E[q q^T]^(1/2) of
+                        the whole prompt's queries per layer and head (an oracle), with or without a Hadamard after
 
     PYTHONPATH=$PWD .venv/bin/python scripts/lloyd_max_bound.py --seed 7 --indices 0,1 [--length 4096]
 (run as a script: it takes `attend` from scripts/key_output_error.py)
@@ -45,6 +47,7 @@ from kvarn.presets import get_preset
 GAUSS_LM = torch.tensor([-1.510, -0.4528, 0.4528, 1.510], dtype=torch.float64)  # Max (1960), 4 levels, unit normal
 # anchors: the lab's nearest-rounding preset with the same clipped grid, and the registered query-aware one
 PRESETS = ["kvarn-auto-k2v2-g128-kc0.8-vc0.8", "kvarn-auto-k2v2-g128-qar-clip"]
+WHITENED = {"query-whitened basis, clip 0.8, nearest": False, "query-whitened + Hadamard, clip 0.8, nearest": True}
 CLIPS = [x / 20 for x in range(8, 21)]  # 0.40 .. 1.00
 
 
@@ -106,6 +109,23 @@ def with_outliers(b: torch.Tensor, base: torch.Tensor, w: torch.Tensor, share: f
     return out.view(n, r, c)
 
 
+def whitened(x: torch.Tensor, sigma: torch.Tensor, n: int, rotate: bool) -> torch.Tensor:
+    """Tiles x [H n, G, D] stored in the query-whitened basis k' = W k, W = E[q q^T]^(1/2) of their KV head (sigma
+    [H, D, D]; eigenvalues floored at 1e-6 of the largest), optionally Hadamard-rotated after: there the squared error
+    is the score error the queries see, e'^T e' = e^T Sigma e. VarN, the preset's clipped 2-bit grid, nearest
+    rounding, then back to keys. An oracle: W from the whole prompt's queries, one D x D matrix per layer and head."""
+    lam, vec = torch.linalg.eigh(sigma)
+    lam = lam.clamp_min(1e-6 * lam[..., -1:])
+    w = (vec * lam.sqrt()[..., None, :]) @ vec.transpose(-1, -2)  # [H, D, D], symmetric
+    w_inv = (vec * lam.rsqrt()[..., None, :]) @ vec.transpose(-1, -2)
+    xw = x @ w.repeat_interleave(n, 0)
+    xw = hadamard_transform(xw) if rotate else xw
+    b, s_col, s_row = varn(xw.transpose(-1, -2))
+    xh = (uniform(b, 2, 0.8) * s_col[..., None, :] * s_row[..., :, None]).transpose(-1, -2)
+    xh = hadamard_transform(xh) if rotate else xh
+    return xh @ w_inv.repeat_interleave(n, 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -123,8 +143,9 @@ def main() -> None:
     names = ["uniform clip 1.0 (no clip)", "uniform clip 0.8 (the preset's grid)", "uniform, best clip per row",
              "gauss Lloyd-Max (mean, std)", "row Lloyd-Max (4 levels a row)", "clip 0.8 + 0.5% exact outliers",
              "clip 0.8 + 1.0% exact outliers", "3 bits, best clip per row", "4 bits, best clip per row"]
-    key_err = dict.fromkeys(names + PRESETS, 0.0)
-    out_err = dict.fromkeys(names + PRESETS, 0.0)
+    extra = list(WHITENED) + PRESETS
+    key_err = dict.fromkeys(names + extra, 0.0)
+    out_err = dict.fromkeys(names + extra, 0.0)
     for i in (int(x) for x in args.indices.split(",")):
         s = ruler.fit(args.task, args.length, args.seed, i, lambda s: encode(tok, s).shape[1] + s.new_tokens, hay)
         ids = encode(tok, s)
@@ -152,6 +173,8 @@ def main() -> None:
             e = [((ways[names[1]][r] - x) @ sigma * (ways[names[1]][r] - x)).sum((1, 2)) for r in (0, 1)]
             rot = (e[1] < e[0])[:, None, None]  # [N, 1, 1]: the query-weighted choice, as kvarn-auto's
             chosen = {name: torch.where(rot, pair[1], pair[0]) for name, pair in ways.items()}
+            for name, rotate in WHITENED.items():  # another basis: the score error is the plain error there
+                chosen[name] = whitened(x, sigma[::n], n, rotate)
             for p in PRESETS:
                 kq = get_preset(p).quantizers(d)[0]
                 cov = getattr(kq, "takes_covariance", False)
@@ -168,7 +191,7 @@ def main() -> None:
           "relative to the preset's grid with nearest rounding; each tile in the basis (plain or Hadamard) where "
           "that grid's query-weighted error is less")
     print("| grid | key error | output proxy |\n| --- | --- | --- |")
-    for name in names + PRESETS:
+    for name in names + extra:
         print(f"| {name} | {key_err[name] / key_err[ref]:.3f} | {out_err[name] / out_err[ref]:.3f} |")
     print(f"(the preset's grid: output proxy {out_err[ref]:.4f} summed)")
 
