@@ -154,7 +154,7 @@ class _ExactReads:
         k = torch.cat(self.kept[0], dim=2).float()  # [B, Hk, n, D], post-RoPE
         b, hk, n, d = k.shape
         t, g = q.shape[2], q.shape[1] // hk
-        qpos, kpos = torch.arange(n - t, n), torch.arange(n)
+        qpos, kpos = torch.arange(n - t, n, device=k.device), torch.arange(n, device=k.device)
         s = (q.detach().float().view(b, hk, g, t, d) @ k[:, :, None].transpose(-1, -2)) * d ** -0.5  # [B,Hk,g,t,n]
         w = s.masked_fill(kpos > qpos[:, None], float("-inf")).softmax(-1)
         sink = self.store.keys.sink_len
