@@ -1,11 +1,12 @@
 """Which key rows `top-mass<r>` (kvarn/eval/exact_rows.py) keeps exact on a task prompt: per 128-token tile and KV
-head, the row that received the most softmax weight from the queries of the tile's own prompt chunk, from one
-full-precision forward (the oracle's choice without quantization). Prints where in the tile the picks sit, their
-most common tokens, how far the pick stands above the rest of its tile, and the share of the last 64 queries'
-attention on the first token (the usual attention sink) in three layers.
+head, the row that received the most softmax weight from the queries of the tile's own prompt chunk
+(`kvarn.eval.exact_rows.open_tile_mass`), from one full-precision forward (the oracle's choice without
+quantization). Prints where in the tile the picks sit, their most common tokens, how far the pick stands above the
+rest of its tile, and the share of the last 64 queries' attention on the first token (the usual attention sink) in
+three layers.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/attention_mass_picks.py [--seed 7 --index 0]
-(run as a script: it takes `recorded` from scripts/lloyd_max_bound.py)
+(run as a script: it takes `recorded` from scripts/key_output_error.py)
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import argparse
 import collections
 
 import torch
-from lloyd_max_bound import recorded
+from key_output_error import recorded
 
+from kvarn.eval.exact_rows import open_tile_mass
 from kvarn.eval.tasks import ruler
 from kvarn.eval.tasks.base import encode
 from kvarn.eval.tasks.haystack import resolve_haystack
@@ -36,15 +38,12 @@ def main() -> None:
                   resolve_haystack("auto"))
     ids = encode(tok, s)
     offsets, tokens, ratio = collections.Counter(), collections.Counter(), []
-    layers = recorded(model, ids)
+    layers = recorded(model, ids, torch.float32)
     for q, k, _ in layers:
-        h, t, d = k.shape
-        group = q.shape[0] // h
+        t = k.shape[1]
         for a in range(sink, t - g + 1, g):
-            qs = q[:, a:a + g].reshape(h, group, g, d)  # the tile's own chunk of queries
-            w = (qs @ k[:, None, :a + g].transpose(-1, -2)) / d ** 0.5
-            w = w.masked_fill(torch.arange(a + g)[None] > torch.arange(a, a + g)[:, None], float("-inf"))
-            mass = w.softmax(-1)[..., a:a + g].sum((1, 2))  # [H, G]
+            # the tile's own chunk of queries over the keys so far: `top-mass`'s own arithmetic
+            mass = open_tile_mass(q[None, :, a:a + g], k[None, :, :a + g], sink, g)[0, :, a:a + g]  # [H, G]
             for row in mass:
                 top = row.sort(descending=True).values
                 j = int(row.argmax())

@@ -39,6 +39,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> tor
     return torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v.repeat_interleave(group, 0)
 
 
+def recorded(model, ids: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(q [Hq, T, D], k, v [H, T, D]) of every layer in `dtype`, post-RoPE, from one full-precision forward."""
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def record(module, query, key, value, attention_mask, **kw):
+        seen[module.layer_idx] = (query[0].to(dtype), key[0].to(dtype), value[0].to(dtype))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("kvarn_record", record)
+    model.set_attn_implementation("kvarn_record")
+    with torch.inference_mode():
+        model(input_ids=ids)
+    return [seen[i] for i in sorted(seen)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("presets", nargs="+")
@@ -54,22 +69,11 @@ def main() -> None:
         register_variants()
     torch.manual_seed(0)
     model, tok = load_model(args.model)
-    seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def record(module, query, key, value, attention_mask, **kw):
-        seen[module.layer_idx] = (query[0].float(), key[0].float(), value[0].float())  # [H, T, D] each
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
-
-    AttentionInterface.register("kvarn_record", record)
-    model.set_attn_implementation("kvarn_record")
     sample = ruler.fit(args.task, args.length, args.seed, args.index,
                        lambda s: encode(tok, s).shape[1] + s.new_tokens, resolve_haystack("auto"))
     ids = encode(tok, sample)
-    with torch.inference_mode():
-        model(input_ids=ids)
     total = {p: 0.0 for p in args.presets}
-    for layer in sorted(seen):
-        q, k, v = seen[layer]
+    for q, k, v in recorded(model, ids, torch.float32):
         h, t, d = k.shape
         group = q.shape[0] // h
         qg = q.reshape(h, group * t, d)

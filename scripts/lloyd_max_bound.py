@@ -22,7 +22,7 @@ attention-output proxy that chose that clip (`scripts/key_output_error.py`: |o(K
                         the whole prompt's queries per layer and head (an oracle), with or without a Hadamard after
 
     PYTHONPATH=$PWD .venv/bin/python scripts/lloyd_max_bound.py --seed 7 --indices 0,1 [--length 4096]
-(run as a script: it takes `attend` from scripts/key_output_error.py)
+(run as a script: it takes `attend` and `recorded` from scripts/key_output_error.py)
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ import argparse
 
 import torch
 from budget_variants import register_variants
-from key_output_error import ROWS, attend
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from key_output_error import ROWS, attend, recorded
 
 from kvarn.eval.tasks import ruler
 from kvarn.eval.tasks.base import encode
@@ -49,21 +47,6 @@ GAUSS_LM = torch.tensor([-1.510, -0.4528, 0.4528, 1.510], dtype=torch.float64)  
 PRESETS = ["kvarn-auto-k2v2-g128-kc0.8-vc0.8", "kvarn-auto-k2v2-g128-qar-clip"]
 WHITENED = {"query-whitened basis, clip 0.8, nearest": False, "query-whitened + Hadamard, clip 0.8, nearest": True}
 CLIPS = [x / 20 for x in range(8, 21)]  # 0.40 .. 1.00
-
-
-def recorded(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(q [Hq, T, D], k, v [H, T, D]) of every layer, post-RoPE, from one full-precision forward."""
-    seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def record(module, query, key, value, attention_mask, **kw):
-        seen[module.layer_idx] = (query[0].double(), key[0].double(), value[0].double())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
-
-    AttentionInterface.register("kvarn_record", record)
-    model.set_attn_implementation("kvarn_record")
-    with torch.inference_mode():
-        model(input_ids=ids)
-    return [seen[i] for i in sorted(seen)]
 
 
 def uniform(b: torch.Tensor, bits: int, clip: float) -> torch.Tensor:
@@ -150,7 +133,7 @@ def main() -> None:
         s = ruler.fit(args.task, args.length, args.seed, i, lambda s: encode(tok, s).shape[1] + s.new_tokens, hay)
         ids = encode(tok, s)
         print(f"sample {args.seed}/{i}: {ids.shape[1]} tokens")
-        for q, k, v in recorded(model, ids):
+        for q, k, v in recorded(model, ids, torch.float64):
             h, t, d = k.shape
             group, n, g = q.shape[0] // h, (t - args.sink) // args.tile, args.tile
             qg = q.reshape(h, group * t, d)

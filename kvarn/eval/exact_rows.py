@@ -102,6 +102,20 @@ def selector(which: str, lines: dict[str, list[int]] | None, tile: int) -> Selec
     return select
 
 
+def open_tile_mass(q: torch.Tensor, k: torch.Tensor, sink: int, tile: int) -> torch.Tensor:
+    """q [B, Hq, t, D], the queries of the last t of the n positions of keys k [B, Hk, n, D] (post-RoPE both) -> the
+    softmax weight [B, Hk, n] (float32) each key row gets from them: causal, scale 1/sqrt(D), summed over the query
+    heads of its KV head and the t queries, counting a row only while its tile is open (the query's position before
+    the end of the row's tile: tiles of `tile` rows after a sink of `sink`; sink rows count throughout)."""
+    b, hk, n, d = k.shape
+    t, g = q.shape[2], q.shape[1] // hk
+    qpos, kpos = torch.arange(n - t, n, device=k.device), torch.arange(n, device=k.device)
+    s = (q.float().view(b, hk, g, t, d) @ k.float()[:, :, None].transpose(-1, -2)) * d ** -0.5  # [B, Hk, g, t, n]
+    w = s.masked_fill(kpos > qpos[:, None], float("-inf")).softmax(-1)
+    end = torch.where(kpos >= sink, sink + ((kpos - sink) // tile + 1) * tile, n)  # each row's tile end
+    return (w * (qpos[:, None] < end)).sum((2, 3))
+
+
 def exact_cache(config, preset: str, spec: str, lines: dict[str, list[int]] | None = None, sink: int | None = None):
     """A fresh KVarNCache of `preset` on the reference read path that reads the rows `spec` (PART:WHICH) picks
     exact; `lines` as `selector` takes them."""
@@ -151,15 +165,8 @@ class _ExactReads:
         """q [B, Hq, t, D], the queries of the newest t positions (post-RoPE, as attention sees them): add the softmax
         weights they give each exact key row, counting a row's only while its tile is still open (the query's
         position before the tile's end), then hand them on to the store."""
-        k = torch.cat(self.kept[0], dim=2).float()  # [B, Hk, n, D], post-RoPE
-        b, hk, n, d = k.shape
-        t, g = q.shape[2], q.shape[1] // hk
-        qpos, kpos = torch.arange(n - t, n, device=k.device), torch.arange(n, device=k.device)
-        s = (q.detach().float().view(b, hk, g, t, d) @ k[:, :, None].transpose(-1, -2)) * d ** -0.5  # [B,Hk,g,t,n]
-        w = s.masked_fill(kpos > qpos[:, None], float("-inf")).softmax(-1)
-        sink = self.store.keys.sink_len
-        end = torch.where(kpos >= sink, sink + ((kpos - sink) // self.tile + 1) * self.tile, n)  # the row's tile end
-        mass = (w * (qpos[:, None] < end)).sum((2, 3))  # [B, Hk, n]
+        k = torch.cat(self.kept[0], dim=2)  # [B, Hk, n, D], post-RoPE
+        mass = open_tile_mass(q.detach(), k, self.store.keys.sink_len, self.tile)
         if self.mass is not None:
             mass[:, :, :self.mass.shape[2]] += self.mass
         self.mass = mass

@@ -1,5 +1,6 @@
 """The C++ decode kernel (decode.cpp) behind the packed-decode op seat for CPU tensors (`kvarn.kernels.cpu.register`).
-Its typed launch wrapper, shared by every caller and device, is `kvarn.attention.launch`."""
+Its typed launch wrapper, shared by every caller and device, is `kvarn.attention.launch`. Beside it, `write_rows`:
+the vLLM backend's decode-step write of fresh rows into their fp slots, in the same extension."""
 
 from __future__ import annotations
 
