@@ -21,9 +21,8 @@ whole, packed tiles only, dense rows (sinks and current blocks) only, neither: t
 packed token and a dense row cost above it; then the same dense rows gathered into one contiguous segment, bf16 and
 float32 (what the row ids cost; whether the bytes read bound the rows); --rows-layout (with --layers N, --rounds N,
 --threads N) times the decode kernel call of every layer with the sink and current-block rows read in place from the
-pool (a few rows of a head in each of many blocks, `LayerPool.rows`), from a page laid out with one head per block
-share (`head_runs`: a candidate fp-slot layout, runs 3x longer) and from a copy of the same rows laid out
-contiguously per request (the same bits, checked): what the fp slots' layout costs. Used for docs/VLLM.md.
+pool's fp slots (`LayerPool.rows`: a head's rows of a slot in one run) and from a copy of the same rows laid out
+contiguously per request (the same bits, checked): what reading them through row ids costs. Used for docs/VLLM.md.
 """
 
 from __future__ import annotations
@@ -187,48 +186,23 @@ def parts(pool: LayerPool, plan) -> None:
               f"({(t - ms['neither']) * 1e6 / rows:.1f} ns a row and KV head)")
 
 
-def head_runs(pool: LayerPool, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of `index` (row ids into `pool.rows`) copied into a page tensor of the pool's size laid out as a slot
-    with one head per block share would be: every head's share of a block at the block's end (after all heads'
-    packed bytes), a block's share holding H * rows_per_block rows of one head, each head's 2G rows in m consecutive
-    blocks, the slot's heads one after another (a head stride of m pages, the kernel's psH) -> (rows view
-    [N, H, H * rows_per_block, D], the rows' ids in it [B, 2, t])."""
-    lay, geo = pool.layout, pool.geo
-    isz, rpb, page = lay.fp_dtype.itemsize, pool.rows_per_block, geo.page_bytes
-    rb = H * rpb
-    m = -(-2 * G // rb)  # blocks per head per slot
-    nb = pool.runs.shape[0] + H * m
-    buf = torch.zeros(nb * page, dtype=torch.uint8).view(lay.fp_dtype)
-    view = torch.as_strided(buf, (nb - (H - 1) * m, H, rb, D), (page // isz, m * page // isz, D, 1),
-                            H * G * geo.c0 // isz)
-    blk, sub = index // rpb, index % rpb
-    slot, flat = blk // pool.k, blk % pool.k * rpb + sub  # the slot and its row (K rows, then V rows)
-    new_blk, new_sub = slot * H * m + flat // rb, flat % rb
-    view[new_blk, :, new_sub] = pool.rows[blk, :, sub]
-    return view, (new_blk * rb + new_sub).contiguous()
-
-
 def rows_layout(pools: list[LayerPool], plan, rounds: int) -> None:
-    """The decode kernel call of every pool, its dense rows read in place, from a page laid out with one head per
-    block share (`head_runs`), or from per-request contiguous copies."""
+    """The decode kernel call of every pool, its dense rows read in place or from per-request contiguous copies."""
     batch = paged.decode_batch(plan, pools[0])
     b, _, t = batch.dense_index.shape
     q = torch.randn(b, HQ, D).bfloat16().float().view(b, H, HQ // H, D)
     index = torch.stack([torch.arange(b)[:, None] * 2 * t + torch.arange(t),
                          torch.arange(b)[:, None] * 2 * t + t + torch.arange(t)], 1).contiguous()  # [B, 2, t]
     copies = [torch.cat(indexed_rows(p.rows, batch.dense_index), 2).contiguous() for p in pools]  # [B, H, 2t, D]
-    heads = [head_runs(p, batch.dense_index) for p in pools]
 
     def call(p: LayerPool, rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return kernel.decode_rows(q, *p.tiles, batch.table, batch.n_blocks, G, (rows, idx, batch.tiles_len),
                                   batch.bias, D ** -0.5)
 
-    assert all(torch.equal(call(p, p.rows, batch.dense_index), call(p, c, index)) and
-               torch.equal(call(p, p.rows, batch.dense_index), call(p, *hr)) for p, c, hr in zip(pools, copies, heads))
-    ms = {"in place": [], "one head per block share": [], "contiguous copy": []}
+    assert all(torch.equal(call(p, p.rows, batch.dense_index), call(p, c, index)) for p, c in zip(pools, copies))
+    ms = {"in place": [], "contiguous copy": []}
     for _ in range(max(rounds, 3)):
         for name, args in (("in place", [(p, p.rows, batch.dense_index) for p in pools]),
-                           ("one head per block share", [(p, *hr) for p, hr in zip(pools, heads)]),
                            ("contiguous copy", [(p, c, index) for p, c in zip(pools, copies)])):
             t0 = time.perf_counter()
             for a in args:

@@ -232,6 +232,33 @@ def install_spec_hook() -> None:
     GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
 
 
+def install_zeroing_guard() -> None:
+    """vLLM zeroes each newly allocated block of its full-attention layers (slab kv[block] of each layer's tensor)
+    when the cache mixes precisions, as a hybrid model's does (kvarn's uint8 pages beside the sliding-window layers'
+    model dtype). A kvarn page tensor is not one slab per block (`pool.page_regions`: every block's packed runs, then
+    the fp slots), and kvarn writes every byte before it reads it: so the kvarn layers are left out of that zeroing,
+    which would wipe other blocks' tiles and running sequences' fp rows. Installed once per worker process."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    original = CPUModelRunner._zero_block_ids
+    if getattr(original, "kvarn_hook", False):
+        return
+
+    def _zero_block_ids(runner: Any, block_ids: list[int]) -> None:
+        cfg, ctx = runner.kv_cache_config, runner.compilation_config.static_forward_context
+        groups = [replace(g, layer_names=[n for n in g.layer_names
+                                          if not isinstance(getattr(ctx.get(n), "impl", None), KVarNAttentionImpl)])
+                  for g in cfg.kv_cache_groups]
+        runner.kv_cache_config = replace(cfg, kv_cache_groups=groups)
+        try:
+            original(runner, block_ids)
+        finally:
+            runner.kv_cache_config = cfg
+
+    _zero_block_ids.kvarn_hook = True  # type: ignore[attr-defined]
+    CPUModelRunner._zero_block_ids = _zero_block_ids
+
+
 def window_page_bytes(cfg: Any, tile: int) -> int:
     """What one block costs in the sliding-window layers (vLLM's own pages, K and V in the model dtype)."""
     itemsize = cfg.model_config.dtype.itemsize
@@ -454,6 +481,8 @@ class KVarNAttentionImpl(AttentionImpl):
         self.settings = _settings()
         if self.settings.preset.key_high is not None:
             install_spec_hook()
+        if current_platform.is_cpu():
+            install_zeroing_guard()
         self._pool: LayerPool | None = None
         self._pool_key: int | None = None
 

@@ -40,7 +40,7 @@ import torch
 from kvarn.cache.allocation import OUTPUT_ROWS, output_gains, preset_allocation, promotion_gains
 from kvarn.integrations.vllm.layout import PageGeometry, TileLayout
 from kvarn.integrations.vllm.paged import attend_step, observe_queries, store_tiles, write_step
-from kvarn.integrations.vllm.pool import Held, LayerPool, SlotTable, StepPlan
+from kvarn.integrations.vllm.pool import Held, LayerPool, SlotTable, StepPlan, page_regions
 from kvarn.presets import Preset
 from kvarn.quant.affine import AffineQuantizer
 
@@ -203,7 +203,7 @@ class BudgetState:
             keys.append(k)
             values.append(v)
         # values as stored (they were, this step): what the transformers cache's values.full() gives its rule
-        idx = torch.tensor([p.blocks[sb]], dtype=torch.long, device=pool.runs.device)
+        idx = torch.tensor([p.blocks[sb]], dtype=torch.long, device=pool.packed.device)
         values[sb] = pool.layout.value_q.decode(pool.value_fields.select(idx).flatten(2), dtype)
         k = torch.cat(keys, 1)[None]  # [1, H, (sb + 1) G, D]
         v = torch.cat(values, 1)[None]
@@ -259,28 +259,20 @@ class BudgetState:
         # deciding step's tiles) and the fp slots in use; only those rows move (not whole tensors)
         t = self.table
         done = {b for b in t.slot_of if b in t.sink} | {h.block for held in self.held.values() for h in held}
-        k = next(iter(self.pools.values())).k
-        slots = sorted(set(t.slot_of.values()))
         dev = self.tensors[0].device
+        slots = torch.tensor(sorted(set(t.slot_of.values())), dtype=torch.long, device=dev)
         blocks = torch.tensor(sorted(done), dtype=torch.long, device=dev)
-        share_blocks = (torch.tensor(slots, dtype=torch.long, device=dev)[:, None] * k
-                        + torch.arange(k, device=dev)).flatten()
         values_end = max(f.offset + f.nbytes for f in self.layouts["low"].fields if f.kind == "values")
-        g = self.tile
-
-        def regions(tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
-            c0 = tensor.shape[-1] - self.e
-            return tensor.flatten(2), slice(g * c0, g * (c0 + self.e))
-
-        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (values, share) rows, copies
+        fp_bytes = self.layouts["low"].fp_bytes
+        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (values, fp slots) rows, copies
         for i in range(n):
             if new[i] != self.bound[i]:
-                runs, share = regions(self.tensors[self.bound[i]])
-                moved[i] = (runs[blocks, :, :values_end], runs[share_blocks, :, share])
+                packed, fp = page_regions(self.tensors[self.bound[i]], self.e, fp_bytes)
+                moved[i] = (packed[blocks, :, :values_end], fp[slots])
         for i, (vals, rows) in moved.items():
-            runs, share = regions(self.tensors[new[i]])
-            runs[blocks, :, :values_end] = vals
-            runs[share_blocks, :, share] = rows
+            packed, fp = page_regions(self.tensors[new[i]], self.e, fp_bytes)
+            packed[blocks, :, :values_end] = vals
+            fp[slots] = rows
         self.bound = new
 
     def settle(self) -> None:

@@ -269,7 +269,7 @@ def _triton_store(pool: LayerPool) -> bool:
         pool.triton_store = why is None
         if why is not None:
             log.info("kvarn: completed blocks are encoded by PyTorch on %s: the Triton store kernel cannot (%s)",
-                     pool.runs.device, why)
+                     pool.packed.device, why)
     return pool.triton_store
 
 
@@ -680,7 +680,7 @@ def decode_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
     """The step's `DecodeBatch` for this pool's geometry (cached on the plan), or None when the decode rows take the
     per-request path: KVARN_KERNEL=torch or a kernel that cannot serve these quantizers (`fused.take`), or no decode
     row."""
-    key = (pool.k, pool.rows_per_block)
+    key = (pool.n_slots, pool.rows_per_slot)
     if key in plan.batches:
         return plan.batches[key]
     batch = None
@@ -744,7 +744,7 @@ def _build_batch(plan: StepPlan, pool: LayerPool) -> DecodeBatch | None:
         done_blk, done_sub = pool.slot_rows(torch.tensor(done_slots).view(-1, 1, 1), kinds, torch.arange(g))
     else:
         done_blk = done_sub = torch.zeros(0, 2, g, dtype=torch.long)
-    dense_index = (dense_blk * pool.rows_per_block + dense_sub).contiguous()  # [B, 2, t]
+    dense_index = (dense_blk * pool.rows_per_slot + dense_sub).contiguous()  # [B, 2, t]
     kernel.check_table(table, n_blocks, pool.key_fields.codes.shape[0])
     kernel.check_paged(pool.rows, dense_index, tiles_len, b)
     dev = pool.rows.device  # built on the host once per step, then moved once for every layer

@@ -352,30 +352,44 @@ class PendingQueries:
         return self.stats.covariance()
 
 
+def page_regions(kv_cache: torch.Tensor, e: int, fp_slot_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kvarn layer's page tensor, uint8 [num_blocks, H, G, C] (contiguous), as its two regions, zero-copy views:
+    the packed runs [num_blocks, H, G * (C - e)] (block b's tiles at [b]), then the fp pool [n_slots, H,
+    fp_slot_bytes] (slot s of head h: its K then V rows, one contiguous run), n_slots = num_blocks // (fp_slot_bytes
+    // (G * e)). The bytes are those of every block's fp share (G * e per head), gathered at the end of the tensor, so
+    a head's sink and current-block rows lie in runs of G rows that the hardware prefetcher streams (in per-block
+    shares they lay a row or a few apart by a page: the decode kernel waited on memory; docs/VLLM.md)."""
+    nb, h, g, c = kv_cache.shape
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"kvarn: the layer's KV cache must be one contiguous tensor, got strides {kv_cache.stride()}")
+    flat = kv_cache.view(-1)
+    split = nb * h * g * (c - e)
+    n_slots = nb * g * e // fp_slot_bytes
+    packed = flat[:split].view(nb, h, g * (c - e))
+    fp = flat[split:split + n_slots * h * fp_slot_bytes].view(n_slots, h, fp_slot_bytes)
+    return packed, fp
+
+
 class LayerPool:
-    """One layer's page bytes: packed runs and fp slots, over vLLM's uint8 view [num_blocks, H, G, C]."""
+    """One layer's page bytes: packed runs and fp slots, over vLLM's uint8 tensor [num_blocks, H, G, C]
+    (`page_regions`)."""
 
     def __init__(self, kv_cache: torch.Tensor, geo: PageGeometry, queries: PendingQueries | None = None) -> None:
         lay = geo.layout
-        nb, h, g, c = kv_cache.shape
+        _, h, g, c = kv_cache.shape
         if kv_cache.dtype != torch.uint8 or (h, g, c) != (geo.num_kv_heads, lay.tile, geo.c):
             raise ValueError(f"kvarn: the layer's KV cache is {kv_cache.dtype} {tuple(kv_cache.shape)}, expected uint8 "
                              f"[num_blocks, {geo.num_kv_heads}, {lay.tile}, {geo.c}]")
         self.geo, self.layout = geo, lay
-        self.runs = kv_cache.flatten(2)  # [num_blocks, H, G*C]: a view (N and C are contiguous inside a head)
-        split = lay.tile * geo.c0
-        self.packed = self.runs[:, :, :split]
-        self.k = geo.blocks_per_slot
-        self.n_slots = nb // self.k
-        self.share = self.runs[:, :, split:split + lay.tile * geo.e]  # [num_blocks, H, G*e]
-        self.key_fields, self.value_fields = lay.views(self.runs)  # name -> [num_blocks, H, *shape], zero copy
+        self.packed, fp = page_regions(kv_cache, geo.e, lay.fp_bytes)
+        self.n_slots = fp.shape[0]
+        self.key_fields, self.value_fields = lay.views(self.packed)  # name -> [num_blocks, H, *shape], zero copy
         # the fields as the decode kernel addresses them (block, head), built once: their seat arguments are cached
         self.tiles = PackedTiles.pool(self.key_fields), PackedTiles.pool(self.value_fields)
-        # The fp rows of the shares as one strided view [num_blocks, H, rows_per_block, D] in the fp dtype (every
-        # share holds whole rows: `TileLayout.share_choices`): row r of kind c (0 K, 1 V) of slot s, head h, is
-        # rows[s*k + (c*G + r) // rpb, h, (c*G + r) % rpb] (`slot_rows`).
-        self.rows_per_block = lay.tile * geo.e // (lay.head_dim * lay.fp_dtype.itemsize)
-        self.rows = self.share.view(lay.fp_dtype).unflatten(-1, (self.rows_per_block, lay.head_dim))
+        # The fp rows as one view [n_slots, H, 2 G, D] in the fp dtype: row r of kind c (0 K, 1 V) of slot s, head h,
+        # is rows[s, h, c * G + r] (`slot_rows`); kernels read them through ids s * 2G + c * G + r.
+        self.rows_per_slot = 2 * lay.tile
+        self.rows = fp.view(lay.fp_dtype).view(self.n_slots, h, self.rows_per_slot, lay.head_dim)
         # rotate="auto" keys: the layer's running query energy, [1, H, D] float32 sums + count, for the whole engine
         # (all requests pooled; `paged.observe_queries`, folded in lazily: `PendingQueries`); kept across pools of the
         # same layer when given (query-aware keys, `-qar` presets: the running E[q q^T] per KV head, `QueryCovariance`)
@@ -387,20 +401,15 @@ class LayerPool:
 
     def slot_rows(self, slots: torch.Tensor, kind: int | torch.Tensor,
                   row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, row-in-block) indices into `rows` of row `row` of kind `kind` (0 K, 1 V) of fp slots `slots`
-        (broadcast together): `rows[block, :, sub]` is that row for every head, [..., H, D]."""
-        flat = kind * self.layout.tile + row
-        return slots * self.k + flat // self.rows_per_block, flat % self.rows_per_block
+        """(slot, row-in-slot) indices into `rows` of row `row` of kind `kind` (0 K, 1 V) of fp slots `slots`
+        (broadcast together): `rows[slot, :, sub]` is that row for every head, [..., H, D]."""
+        slots, sub = torch.broadcast_tensors(torch.as_tensor(slots), kind * self.layout.tile + row)
+        return slots.contiguous(), sub.contiguous()
 
     def read_slot(self, s: int) -> torch.Tensor:
         """[H, 2, G, D] (K, V) of fp slot s, a copy in the fp dtype."""
-        lay = self.layout
-        pieces = self.share[s * self.k:(s + 1) * self.k]  # [k, H, G*e]
-        h = pieces.shape[1]
-        return pieces.transpose(0, 1).reshape(h, -1).view(lay.fp_dtype).view(h, 2, lay.tile, lay.head_dim)
+        return self.rows[s].unflatten(1, (2, self.layout.tile)).clone()
 
     def write_slot(self, s: int, kv: torch.Tensor) -> None:
         """kv [H, 2, G, D] in the fp dtype -> fp slot s."""
-        h = kv.shape[0]
-        raw = kv.contiguous().view(torch.uint8).view(h, self.k, -1)  # [H, k, G*e]
-        self.share[s * self.k:(s + 1) * self.k] = raw.transpose(0, 1)
+        self.rows[s] = kv.flatten(1, 2)

@@ -20,7 +20,14 @@ import torch
 from kvarn.integrations.vllm import paged
 from kvarn.integrations.vllm.layout import FP_SHARE_MAX, PageGeometry, TileLayout, choose_geometry, choose_pool
 from kvarn.integrations.vllm.paged import attend_step, write_step
-from kvarn.integrations.vllm.pool import OBSERVE_CHUNK, PENDING_ROWS, LayerPool, PendingQueries, SlotTable
+from kvarn.integrations.vllm.pool import (
+    OBSERVE_CHUNK,
+    PENDING_ROWS,
+    LayerPool,
+    PendingQueries,
+    SlotTable,
+    page_regions,
+)
 from kvarn.presets import affine_preset
 
 G, D, H, HQ = 16, 16, 2, 4
@@ -60,6 +67,7 @@ class Engine:
         self.lay = TileLayout(preset, D, dtype)
         assert e in self.lay.share_choices(), e
         geo = PageGeometry(self.lay, H, e)
+        self.geo = geo
         self.kv = torch.zeros(num_blocks, H, G, geo.c, dtype=torch.uint8)
         self.pool = LayerPool(self.kv, geo)
         self.table = SlotTable(self.pool.n_slots, G, sink_blocks)
@@ -491,7 +499,7 @@ def test_every_share_holds_whole_rows(dtype: torch.dtype) -> None:
             for e in lay.share_choices():
                 kv = torch.zeros(2 * lay.blocks_per_slot(e), 2, lay.tile, lay.c0 + e, dtype=torch.uint8)
                 pool = LayerPool(kv, PageGeometry(lay, 2, e))
-                assert pool.rows.shape == (kv.shape[0], 2, lay.tile * e // row, d), (name, d, dtype, e)
+                assert pool.rows.shape == (2, 2, 2 * lay.tile, d), (name, d, dtype, e)  # 2 slots of K, V rows
             assert choose_geometry(lay, 8, 32, 4 << 30, slots=2).e == lay.share_choices()[0]  # ample budget
             if lay.tile % row:  # e = 1 would split rows: refused by name
                 with pytest.raises(ValueError, match="hold whole rows"):
@@ -513,7 +521,8 @@ def test_smallest_share_batches_the_decode(read_path, monkeypatch) -> None:
 
 
 def test_page_fields_round_trip_through_views() -> None:
-    """Fields written through the strided dtype views land in the block's own run and read back bit for bit."""
+    """Fields written through the strided dtype views land in the block's own run of the packed region and read back
+    bit for bit; no other byte of the page tensor changes (the fp region at its end included)."""
     gen = torch.Generator().manual_seed(11)
     eng = Engine()
     x = torch.randn(3 * H, G, D, generator=gen)
@@ -524,9 +533,35 @@ def test_page_fields_round_trip_through_views() -> None:
         view[blocks] = new[name].unflatten(0, (3, H))
     for name, view in eng.pool.key_fields.items():
         assert torch.equal(view[blocks].flatten(0, 1), new[name])
-    untouched = torch.ones(eng.kv.shape[0], dtype=torch.bool)
+    packed, fp = page_regions(eng.kv, eng.geo.e, eng.lay.fp_bytes)
+    untouched = torch.ones(packed.shape[0], dtype=torch.bool)
     untouched[blocks] = False
-    assert not eng.kv[untouched].any()
+    assert not packed[untouched].any() and not fp.any()
+    assert packed[blocks].any()
+
+
+def test_page_regions_split_the_tensor() -> None:
+    """`page_regions`: the packed runs [num_blocks, H, G c0] from the tensor's first byte, then the fp slots, each
+    head's K and V rows of a slot one contiguous run; the two regions do not overlap and stay within the tensor, and
+    the slots are as many as the blocks' shares hold (num_blocks // blocks_per_slot). A slot written through
+    `write_slot` reads back through `read_slot` and through the row ids of `slot_rows`."""
+    eng = Engine()
+    kv, geo, lay = eng.kv, eng.geo, eng.lay
+    packed, fp = page_regions(kv, geo.e, lay.fp_bytes)
+    base = kv.data_ptr()
+    assert packed.data_ptr() == base and packed.shape == (kv.shape[0], H, G * geo.c0) and packed.is_contiguous()
+    assert fp.data_ptr() == base + packed.numel() and fp.is_contiguous()
+    assert fp.shape == (kv.shape[0] // geo.blocks_per_slot, H, lay.fp_bytes) and fp.shape[0] == eng.pool.n_slots
+    assert packed.numel() + fp.numel() <= kv.numel()
+    s = eng.pool.n_slots - 1
+    slot = torch.randn(H, 2, G, D, generator=torch.Generator().manual_seed(5)).to(lay.fp_dtype)
+    eng.pool.write_slot(s, slot)
+    assert torch.equal(eng.pool.read_slot(s), slot)
+    blk, sub = eng.pool.slot_rows(torch.tensor([s]), torch.tensor([0, 1])[:, None], torch.arange(G))
+    assert torch.equal(eng.pool.rows[blk, :, sub], slot.permute(1, 2, 0, 3))  # [2, G, H, D]
+    assert torch.equal(fp[s].view(lay.fp_dtype).view(H, 2, G, D), slot)
+    with pytest.raises(ValueError, match="contiguous"):
+        page_regions(kv.transpose(0, 1).contiguous().transpose(0, 1), geo.e, lay.fp_bytes)
 
 
 def _mixed_steps(eng: Engine, gen: torch.Generator, check: bool) -> list[dict[str, torch.Tensor]]:
@@ -804,11 +839,11 @@ def test_auto_flags_live_in_the_accounted_page_bytes(name: str) -> None:
     if flags:
         ref = kq.encode(x.flatten(0, 1)).rotated.view(2, h)  # no queries seen: unweighted
         assert torch.equal(pool.key_fields.rotated[torch.tensor([1, 3])], ref)
-    runs = kv.flatten(2)  # [num_blocks, H, G*C]: per head, the packed tile then its fp pool share
+    runs, fp = page_regions(kv, geo.e, lay.fp_bytes)  # [num_blocks, H, G*c0]: per head, the packed tile
     for f in flags:  # each flag byte is the one at its offset in the head's run
         fields = pool.key_fields if f.kind == "keys" else pool.value_fields
         assert torch.equal(runs[:, :, f.offset], fields.rotated)
-    assert not kv[[0, 2]].any() and not runs[[1, 3], :, lay.tile * lay.c0:].any()  # only the blocks' packed parts
+    assert not runs[[0, 2]].any() and not fp.any()  # only the blocks' packed parts
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.8])

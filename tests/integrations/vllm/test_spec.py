@@ -68,3 +68,32 @@ def test_budget_page_classes_form_one_group_that_still_caps_the_scheduler() -> N
     with contextlib.suppress(AttributeError):
         uniform.max_memory_usage_bytes(cfg)
     assert cfg.scheduler_config.max_num_seqs == 3
+
+
+def test_new_blocks_are_zeroed_in_vllms_layers_only() -> None:
+    """A hybrid model's cache mixes precisions (kvarn's uint8 pages, the sliding-window layers' model dtype), so vLLM
+    zeroes every newly allocated block, slab kv[block] of each full-attention layer's tensor. A kvarn page tensor is
+    not one slab per block (`pool.page_regions`): the guard leaves the kvarn layers out, in the same group or not,
+    and still zeroes vLLM's own layers."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from kvarn.integrations.vllm.backend import KVarNAttentionImpl, install_zeroing_guard
+
+    install_zeroing_guard()
+    install_zeroing_guard()  # once per process, however many layers call it
+    assert getattr(CPUModelRunner._zero_block_ids, "kvarn_hook", False)
+    window = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    layers = {"kvarn.0": object.__new__(KVarNAttentionImpl), "window.0": object(), "kvarn.1":
+              object.__new__(KVarNAttentionImpl)}
+    ctx = {n: SimpleNamespace(impl=impl, kv_cache=torch.ones(4, 2, 8, dtype=torch.uint8)) for n, impl in layers.items()}
+    groups = [KVCacheGroupSpec(["kvarn.0", "window.0"], window), KVCacheGroupSpec(["kvarn.1"], _spec(None))]
+    cfg = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=groups)
+    runner = object.__new__(CPUModelRunner)
+    runner.kv_cache_config = cfg
+    runner.compilation_config = SimpleNamespace(static_forward_context=ctx)
+    runner._zero_block_ids([1, 3])
+    assert runner.kv_cache_config is cfg  # restored
+    zeroed = ctx["window.0"].kv_cache
+    assert not zeroed[[1, 3]].any() and zeroed[[0, 2]].all()
+    assert ctx["kvarn.0"].kv_cache.all() and ctx["kvarn.1"].kv_cache.all()
