@@ -14,7 +14,7 @@ Bytes. vLLM sizes the pages before any request, so the kvarn layers get pages of
 promotes the most layers (`sized_split`); vLLM's capacity report thus counts the budget's bytes. A decision picks
 among the splits these pages hold (`feasible_splits`: h <= h*, m <= h* - h + m*; a mid layer may take a high
 page). vLLM binds one page tensor to each layer; once decided, the backend binds them anew (`BudgetState._bind`):
-each layer takes a tensor of its class (its own when that fits), and the tensor's fp pool share and value fields
+each layer takes a tensor of its class (its own when that fits), and the tensor's fp slots and value fields
 move with the layer.
 
 Before the decision:
@@ -241,7 +241,7 @@ class BudgetState:
         return "high" if i in a.promoted else "mid" if i in a.middle else "low"
 
     def _bind(self) -> None:
-        """Each layer onto a tensor of its width class (its own when that holds it), moving the tensor's fp share
+        """Each layer onto a tensor of its width class (its own when that holds it), moving the tensor's fp slots
         and value fields (stored before the decision) with the layer."""
         rank = {c: r for r, c in enumerate(CLASSES)}  # 0 widest
         n = len(self.names)

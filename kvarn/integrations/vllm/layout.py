@@ -1,17 +1,18 @@
-"""Byte layout of a kvarn page: what one vLLM block of one layer holds.
+"""Byte layout of a kvarn page: what one vLLM block of one layer pays for.
 
-vLLM views each layer's cache as uint8 [num_blocks, H, N = G, C] (layout LBHNC): per block and KV head a run of G*C
-bytes. kvarn splits that run in two:
+vLLM views each layer's cache as uint8 [num_blocks, H, N = G, C] (layout LBHNC): per block and KV head G*C bytes.
+kvarn counts them in two parts:
 
-    [0, G*c0)          the packed tile of this head: key fields then value fields (`TileLayout.fields`; budget presets:
+    G*c0 bytes         the packed tile of this head: key fields then value fields (`TileLayout.fields`; budget presets:
                        value fields first, `budget`), zero padded;
                        under rotate="auto" (kvarn-auto presets) each tile's `rotated` flag (one uint8, the basis it was
                        stored in) is one of those fields, so the page bytes vLLM accounts for hold it
-    [G*c0, G*C)        a share of the full-precision pool, e = C - c0 bytes per token slot
+    G*e bytes          a share of the full-precision pool, e = C - c0 bytes per token slot
 
-The shares of k consecutive blocks form one full-precision block ("fp slot") of this head, K and V [2, G, D] in the
-model dtype: k = 2*D*itemsize / e (e divides 2*D*itemsize). The pool thus lives inside the memory vLLM sizes and
-allocates, so vLLM's own capacity report counts it: a page costs G*C bytes per head instead of G*2*D*itemsize.
+The shares of k blocks pay for one full-precision block ("fp slot") of a head, K and V [2, G, D] in the model dtype:
+k = 2*D*itemsize / e (e divides 2*D*itemsize). The pool thus lives inside the memory vLLM sizes and allocates, so
+vLLM's own capacity report counts it: a page costs G*C bytes per head instead of G*2*D*itemsize. Where the bytes sit
+in the layer's tensor (every block's packed runs first, then the fp slots) is `pool.page_regions`.
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ class TileLayout:
 
     def share_choices(self) -> list[int]:
         """Possible e (bytes per token slot of fp share), smallest first: divisors of 2*D*itemsize whose block share
-        (G*e bytes per head) holds whole fp rows, so that the pool's rows are one strided view and the batched decode
-        reads them in place (`LayerPool.rows`). A share that split rows across blocks (e = 1 for a float32 model, or
-        for head_dim 128 in bf16) sent every decode row down the per-request path: half the tokens/s (docs/VLLM.md)."""
+        (G*e bytes per head) holds whole fp rows. (When each block held its share of the pool, a share that split rows
+        across blocks sent every decode row down the per-request path: docs/VLLM.md. Since the fp slots form one
+        region, `pool.page_regions`, the rule only keeps the choices as they were.)"""
         m, row = 2 * self.head_dim * self.fp_dtype.itemsize, self.head_dim * self.fp_dtype.itemsize
         return [e for e in range(1, m + 1) if m % e == 0 and self.tile * e % row == 0]
 

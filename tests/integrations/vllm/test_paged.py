@@ -484,11 +484,11 @@ def test_pool_sized_from_the_budget_lowers_concurrency_instead_of_refusing() -> 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_every_share_holds_whole_rows(dtype: torch.dtype) -> None:
-    """Every fp share a geometry can choose holds whole fp rows (G * e a multiple of a row's bytes), so the pool's
-    rows are one view, which the batched decode reads (`paged.decode_batch`); a share that would split them is
-    refused. Before, an ample budget chose e = 1 byte per token slot: for a float32 model (and for head_dim 128 in
-    bf16) a row then spanned two blocks' shares, and every decode row went request by request (half the tokens/s:
-    docs/VLLM.md)."""
+    """Every fp share a geometry can choose holds whole fp rows (G * e a multiple of a row's bytes), and every choice
+    gives a pool whose rows are one view [slots, H, 2G, D], which the batched decode reads (`paged.decode_batch`); a
+    share that would split rows is refused. (When each block held its share of the pool, an ample budget chose e = 1
+    byte per token slot: for a float32 model a row then spanned two blocks' shares, and every decode row went request
+    by request, half the tokens/s: docs/VLLM.md.)"""
     from kvarn.presets import get_preset
 
     for name in ("kvarn-k2v2-g128", "kvarn-auto-k2v2-g64", "kvarn-k4v2-g128"):
