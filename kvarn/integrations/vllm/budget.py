@@ -150,10 +150,13 @@ class BudgetState:
         for i, name in enumerate(self.names):
             self.pools[name] = self._pool(i, self.layouts["low"], None)
 
+    def _geometry(self, t: torch.Tensor, layout: TileLayout) -> PageGeometry:
+        """Tensor t's page (its class's packed bytes + the shared e) holding `layout`'s tiles."""
+        return PageGeometry(layout, self.num_kv_heads, self.e, t.shape[-1] - self.e)
+
     def _pool(self, i: int, layout: TileLayout, keep: LayerPool | None) -> LayerPool:
         t = self.tensors[self.bound[i]]
-        geo = PageGeometry(layout, self.num_kv_heads, self.e, t.shape[-1] - self.e)
-        return LayerPool(t, geo, keep.queries if keep is not None else None)
+        return LayerPool(t, self._geometry(t, layout), keep.queries if keep is not None else None)
 
     @property
     def decided(self) -> bool:
@@ -262,15 +265,17 @@ class BudgetState:
         dev = self.tensors[0].device
         slots = torch.tensor(sorted(set(t.slot_of.values())), dtype=torch.long, device=dev)
         blocks = torch.tensor(sorted(done), dtype=torch.long, device=dev)
-        values_end = max(f.offset + f.nbytes for f in self.layouts["low"].fields if f.kind == "values")
-        fp_bytes = self.layouts["low"].fp_bytes
+        low = self.layouts["low"]
+        values_end = max(f.offset + f.nbytes for f in low.fields if f.kind == "values")
         moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (values, fp slots) rows, copies
         for i in range(n):
             if new[i] != self.bound[i]:
-                packed, fp = page_regions(self.tensors[self.bound[i]], self.e, fp_bytes)
+                old = self.tensors[self.bound[i]]
+                packed, fp = page_regions(old, self._geometry(old, low))
                 moved[i] = (packed[blocks, :, :values_end], fp[slots])
         for i, (vals, rows) in moved.items():
-            packed, fp = page_regions(self.tensors[new[i]], self.e, fp_bytes)
+            tensor = self.tensors[new[i]]
+            packed, fp = page_regions(tensor, self._geometry(tensor, low))
             packed[blocks, :, :values_end] = vals
             fp[slots] = rows
         self.bound = new

@@ -352,22 +352,19 @@ class PendingQueries:
         return self.stats.covariance()
 
 
-def page_regions(kv_cache: torch.Tensor, e: int, fp_slot_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def page_regions(kv_cache: torch.Tensor, geo: PageGeometry) -> tuple[torch.Tensor, torch.Tensor]:
     """A kvarn layer's page tensor, uint8 [num_blocks, H, G, C] (contiguous), as its two regions, zero-copy views:
-    the packed runs [num_blocks, H, G * (C - e)] (block b's tiles at [b]), then the fp pool [n_slots, H,
-    fp_slot_bytes] (slot s of head h: its K then V rows, one contiguous run), n_slots = num_blocks // (fp_slot_bytes
-    // (G * e)). The bytes are those of every block's fp share (G * e per head), gathered at the end of the tensor, so
-    a head's sink and current-block rows lie in runs of G rows that the hardware prefetcher streams (in per-block
-    shares they lay a row or a few apart by a page: the decode kernel waited on memory; docs/VLLM.md)."""
-    nb, h, g, c = kv_cache.shape
+    the packed runs [num_blocks, H, G * c0] (block b's tiles at [b]), then the fp slots [geo.fp_slots(num_blocks), H,
+    fp block bytes] (slot s of head h: its K rows, then its V rows). The bytes are those of every block's fp share,
+    gathered at the end of the tensor, so a head's sink and current-block rows lie in runs of G rows (in per-block
+    shares they lay a row or a few apart by a page, and the decode kernel waited on memory: docs/VLLM.md)."""
+    nb, h, g, _ = kv_cache.shape
     if not kv_cache.is_contiguous():
         raise ValueError(f"kvarn: the layer's KV cache must be one contiguous tensor, got strides {kv_cache.stride()}")
     flat = kv_cache.view(-1)
-    split = nb * h * g * (c - e)
-    n_slots = nb * g * e // fp_slot_bytes
-    packed = flat[:split].view(nb, h, g * (c - e))
-    fp = flat[split:split + n_slots * h * fp_slot_bytes].view(n_slots, h, fp_slot_bytes)
-    return packed, fp
+    split, slot_bytes = nb * h * g * geo.c0, geo.layout.fp_bytes
+    packed = flat[:split].view(nb, h, g * geo.c0)
+    return packed, flat[split:split + geo.fp_slots(nb) * h * slot_bytes].view(-1, h, slot_bytes)
 
 
 class LayerPool:
@@ -381,7 +378,7 @@ class LayerPool:
             raise ValueError(f"kvarn: the layer's KV cache is {kv_cache.dtype} {tuple(kv_cache.shape)}, expected uint8 "
                              f"[num_blocks, {geo.num_kv_heads}, {lay.tile}, {geo.c}]")
         self.geo, self.layout = geo, lay
-        self.packed, fp = page_regions(kv_cache, geo.e, lay.fp_bytes)
+        self.packed, fp = page_regions(kv_cache, geo)
         self.n_slots = fp.shape[0]
         self.key_fields, self.value_fields = lay.views(self.packed)  # name -> [num_blocks, H, *shape], zero copy
         # the fields as the decode kernel addresses them (block, head), built once: their seat arguments are cached

@@ -533,7 +533,7 @@ def test_page_fields_round_trip_through_views() -> None:
         view[blocks] = new[name].unflatten(0, (3, H))
     for name, view in eng.pool.key_fields.items():
         assert torch.equal(view[blocks].flatten(0, 1), new[name])
-    packed, fp = page_regions(eng.kv, eng.geo.e, eng.lay.fp_bytes)
+    packed, fp = page_regions(eng.kv, eng.geo)
     untouched = torch.ones(packed.shape[0], dtype=torch.bool)
     untouched[blocks] = False
     assert not packed[untouched].any() and not fp.any()
@@ -547,7 +547,7 @@ def test_page_regions_split_the_tensor() -> None:
     `write_slot` reads back through `read_slot` and through the row ids of `slot_rows`."""
     eng = Engine()
     kv, geo, lay = eng.kv, eng.geo, eng.lay
-    packed, fp = page_regions(kv, geo.e, lay.fp_bytes)
+    packed, fp = page_regions(kv, geo)
     base = kv.data_ptr()
     assert packed.data_ptr() == base and packed.shape == (kv.shape[0], H, G * geo.c0) and packed.is_contiguous()
     assert fp.data_ptr() == base + packed.numel() and fp.is_contiguous()
@@ -561,7 +561,7 @@ def test_page_regions_split_the_tensor() -> None:
     assert torch.equal(eng.pool.rows[blk, :, sub], slot.permute(1, 2, 0, 3))  # [2, G, H, D]
     assert torch.equal(fp[s].view(lay.fp_dtype).view(H, 2, G, D), slot)
     with pytest.raises(ValueError, match="contiguous"):
-        page_regions(kv.transpose(0, 1).contiguous().transpose(0, 1), geo.e, lay.fp_bytes)
+        page_regions(kv.transpose(0, 1).contiguous().transpose(0, 1), geo)
 
 
 def _mixed_steps(eng: Engine, gen: torch.Generator, check: bool) -> list[dict[str, torch.Tensor]]:
@@ -839,7 +839,7 @@ def test_auto_flags_live_in_the_accounted_page_bytes(name: str) -> None:
     if flags:
         ref = kq.encode(x.flatten(0, 1)).rotated.view(2, h)  # no queries seen: unweighted
         assert torch.equal(pool.key_fields.rotated[torch.tensor([1, 3])], ref)
-    runs, fp = page_regions(kv, geo.e, lay.fp_bytes)  # [num_blocks, H, G*c0]: per head, the packed tile
+    runs, fp = page_regions(kv, geo)  # [num_blocks, H, G*c0]: per head, the packed tile
     for f in flags:  # each flag byte is the one at its offset in the head's run
         fields = pool.key_fields if f.kind == "keys" else pool.value_fields
         assert torch.equal(runs[:, :, f.offset], fields.rotated)
