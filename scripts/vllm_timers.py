@@ -38,7 +38,8 @@ MIXED_ABOVE = [None]  # --by-tokens: later steps with more tokens than this carr
 
 def _phase(args: tuple) -> str:
     """The phase of a model forward: the first step, then "decode", or with --by-tokens "mixed" for a later step
-    whose token count (its positions' length) exceeds max_num_seqs, i.e. that carries prompt tokens."""
+    whose token count (the length of its input ids) exceeds max_num_seqs, so that it carries prompt tokens (a step
+    with fewer prompt tokens than that counts as decode)."""
     if STEP[0] == 0:
         return "prefill"
     if MIXED_ABOVE[0] is not None:
