@@ -267,15 +267,17 @@ class BudgetState:
         blocks = torch.tensor(sorted(done), dtype=torch.long, device=dev)
         low = self.layouts["low"]
         values_end = max(f.offset + f.nbytes for f in low.fields if f.kind == "values")
+
+        def regions(k: int) -> tuple[torch.Tensor, torch.Tensor]:  # tensor k's packed runs and fp slots
+            return page_regions(self.tensors[k], self._geometry(self.tensors[k], low))
+
         moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (values, fp slots) rows, copies
         for i in range(n):
             if new[i] != self.bound[i]:
-                old = self.tensors[self.bound[i]]
-                packed, fp = page_regions(old, self._geometry(old, low))
+                packed, fp = regions(self.bound[i])
                 moved[i] = (packed[blocks, :, :values_end], fp[slots])
         for i, (vals, rows) in moved.items():
-            tensor = self.tensors[new[i]]
-            packed, fp = page_regions(tensor, self._geometry(tensor, low))
+            packed, fp = regions(new[i])
             packed[blocks, :, :values_end] = vals
             fp[slots] = rows
         self.bound = new
