@@ -40,10 +40,11 @@ def main() -> None:
     decoded = {i: (rand(1, H, (args.pieces - 1) * G, D), rand(1, H, (args.pieces - 1) * G, D))
                for i in range(args.requests)}
     waiting = []  # as attend_step lists them: (request, plan, block j, rows, q [1, Hq, G, D], k, v [H, G, D])
+    query = rand(args.requests * (args.pieces - 1) * G, HQ, D)  # the step's queries [T, Hq, D]
     for j in range(1, args.pieces):
         for i in range(args.requests):
             rows = slice(len(waiting) * G, (len(waiting) + 1) * G)
-            waiting.append((i, None, j, rows, rand(1, HQ, G, D), rand(H, G, D), rand(H, G, D)))
+            waiting.append((i, None, j, rows, query[rows].transpose(0, 1)[None], rand(H, G, D), rand(H, G, D)))
     scale = D ** -0.5
 
     def sdpa() -> torch.Tensor:
@@ -55,7 +56,9 @@ def main() -> None:
         return torch.cat(outs)
 
     def vllm() -> torch.Tensor:
-        return paged._vllm_pieces(ops, waiting, decoded, scale, G)
+        out = torch.empty_like(query)
+        paged._vllm_pieces(ops, waiting, None, decoded, scale, G, query, out)
+        return out
 
     diff = (sdpa().float() - vllm().float()).abs().max().item()
     print(f"{args.requests} requests x {args.pieces} pieces of {G} rows, isa {ops[1]}: largest difference {diff:.4f}")

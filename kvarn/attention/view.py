@@ -97,8 +97,9 @@ class StoredKV:
 
     def decode_tiles(self, first: int, last: int, dtype: torch.dtype, dense: bool = False) -> torch.Tensor:
         """Tiles [first, last) decoded, exact tiles restored, `post` applied: [B, H, (last - first) * G, D].
-        dense=True (packed attention's many-row read): affine tiles rotated back by one matmul with H in `dtype`
-        (`affine.decode_tiles(dense=True)`); the default is the quantizer's own decode, the reference."""
+        dense=True (packed attention's many-row read): affine tiles by `affine.decode_tiles(dense=True)`, the tile
+        decode kernel where one serves them (the reference's bits), else rotated back by one matmul with H; the
+        default is the quantizer's own decode, the reference."""
         b, h, d = self.shape_bhd
         m, g = last - first, self.tile
         part = self.packed.select((slice(None), slice(None), slice(first, last))).flatten(3)

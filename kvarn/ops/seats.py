@@ -1,4 +1,5 @@
-"""Op seats: the tile store and packed decode attention declared once as `torch.library` custom ops (namespace kvarn).
+"""Op seats: the tile store, its inverse and packed decode attention declared once as `torch.library` custom ops
+(namespace kvarn).
 
 Each seat takes tensors and plain ints/floats/bools only (absent optional outputs are empty tensors), has a fake
 implementation (shapes and dtypes, for torch.compile and opcheck) and a default implementation, the PyTorch
@@ -14,6 +15,11 @@ dispatcher.
         AffineQuantizer tiles (kvarn.quant.affine; codes `kvarn.ops.codes`; coef: query-aware rounding of keys,
         `kvarn.ops.rtn`; clip: `AffineConfig.clip`); default: the quantizer's reference, registered by
         kvarn.quant.affine.
+    kvarn::tile_decode(codes [N, R, C b / 8], row_scale, row_zero [N, R], col_scale [N, C] | [0], rotated [N] | [0],
+                       bits, channel, rotate, tile, out_dtype) -> x [N, G, D]
+        the store's inverse: AffineQuantizer tiles decoded token-major in out_dtype (`DTYPE_CODES`); default:
+        `kvarn.quant.affine.decode_tiles` (dense=False: the reference's butterfly), registered by kvarn.quant.affine;
+        the C++ kernel equals it bit for bit.
     kvarn::query_aware_coefficients(sigma [N, D, D], rotate, damp) -> coef [N, B, D, D]
         query-aware rounding's coefficients of each basis (`kvarn.ops.rtn.query_aware_bases`, the default); the C++
         kernel agrees to float64 rounding (its factorisation sums in another order), not bit for bit.
@@ -48,6 +54,8 @@ DECODE_SCHEMA = ("(Tensor q, Tensor qh, Tensor hadamard, float scale, Tensor[] k
 torch.library.define("kvarn::tile_store", STORE_SCHEMA)
 torch.library.define("kvarn::packed_decode", DECODE_SCHEMA)
 torch.library.define("kvarn::query_aware_coefficients", "(Tensor sigma, int rotate, float damp) -> Tensor")
+torch.library.define("kvarn::tile_decode", "(Tensor codes, Tensor row_scale, Tensor row_zero, Tensor col_scale, "
+                     "Tensor rotated, int bits, bool channel, int rotate, int tile, int out_dtype) -> Tensor")
 
 _SUPPORT: dict[tuple[str, str], Callable[..., str | None]] = {}
 _KERNELS: dict[tuple[str, str], Callable] = {}
@@ -108,6 +116,13 @@ def _store_fake(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype,
 def _decode_fake(q, qh, hadamard, *args):
     out = torch.empty_like(q, dtype=torch.float32, memory_format=torch.contiguous_format)
     return out, (q.new_empty(0, dtype=torch.float32) if hadamard.numel() else torch.empty_like(out))
+
+
+@torch.library.register_fake("kvarn::tile_decode")
+def _tile_decode_fake(codes, row_scale, row_zero, col_scale, rotated, bits, channel, rotate, tile, out_dtype):
+    n, r, m = codes.shape
+    d = r if channel else m * 8 // bits
+    return codes.new_empty(n, tile, d, dtype=CODE_DTYPES[out_dtype])
 
 
 @torch.library.register_fake("kvarn::query_aware_coefficients")

@@ -33,7 +33,7 @@ import torch
 from kvarn.ops.codes import CODE_DTYPES, DTYPE_CODES, Rotation
 from kvarn.ops.dispatch import use_kernel
 from kvarn.ops.hadamard import hadamard_dense, hadamard_transform
-from kvarn.ops.packing import pack_codes, unpack_codes
+from kvarn.ops.packing import pack_codes, packed_size, unpack_codes
 from kvarn.ops.rtn import check_bits, check_clip, query_aware_bases, query_aware_round, rtn_quantize, rtn_targets
 from kvarn.ops.seats import Seat, supported
 from kvarn.ops.varn import DEFAULT_ITERS, varn
@@ -42,6 +42,7 @@ from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy, kerne
 from kvarn.quant.tiles import REFINE_BITS, AffineFormat, AffineTiles
 
 STORE_SEAT = Seat("tile_store")  # the op seat (kvarn.ops.seats); the C++ kernel serves CPU tiles
+DECODE_SEAT = Seat("tile_decode")  # its inverse
 COEF_SEAT = Seat("query_aware_coefficients")
 Axis = Literal["channel", "token"]
 Rotate = Literal["none", "hadamard", "auto"]
@@ -111,9 +112,13 @@ def decode_rows(p: AffineTiles, dtype: torch.dtype = torch.float32) -> torch.Ten
 
 def decode_tiles(p: AffineTiles, dtype: torch.dtype = torch.float32, dense: bool = False) -> torch.Tensor:
     """Token-major tiles [N, G, D] from their fields and format alone (`AffineQuantizer.decode`): `decode_rows`,
-    transposed back for axis "channel", then @ H where the tile is rotated. dense=True multiplies by the dense H
-    (`hadamard_dense`, one matmul: the same product in another order, far faster on CPU for many tiles), only the
-    rotated tiles, in float64 when `dtype` is; the default is the reference: the butterfly, in float32."""
+    transposed back for axis "channel", then @ H where the tile is rotated. The default is the reference: the
+    butterfly, in float32. dense=True is the fast path for many tiles: the tile decode seat's kernel where one serves
+    them (`decode_kernel`: the reference, bit for bit, in one pass), else a multiplication by the dense H
+    (`hadamard_dense`, one matmul: the same product in another order), only the rotated tiles, in float64 when
+    `dtype` is."""
+    if dense and dtype != torch.float64 and (x := decode_kernel(p, dtype)) is not None:
+        return x
     x = decode_rows(p, torch.float64 if dense and dtype == torch.float64 else torch.float32)
     x = x.transpose(-1, -2) if p.fmt.axis == "channel" else x
     if dense:
@@ -131,6 +136,40 @@ def decode_tiles(p: AffineTiles, dtype: torch.dtype = torch.float32, dense: bool
         if rot.any():
             x = torch.where(rot.view(-1, 1, 1), hadamard_transform(x), x)
     return x.to(dtype)
+
+
+def decode_kernel(p: AffineTiles, dtype: torch.dtype) -> torch.Tensor | None:
+    """`decode_tiles(p, dtype)` (fields [..., *field shape], flattened or not) through the tile decode seat
+    (`torch.ops.kvarn.tile_decode`) where a kernel registered for the fields' device serves them (`kvarn.ops.dispatch`,
+    KVARN_KERNEL; the C++ kernel equals the reference bit for bit): [..., G, D]; None where none does."""
+    f = p.fmt
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16) or not use_kernel(lambda: supported("tile_decode", p.codes.device, p, f.bits),
+                                                  f"the tile decode kernel cannot decode {f}"):
+        return None
+    r, m, c = f.rows, packed_size(f.cols, f.bits), f.cols
+    lead = p.codes.shape[:-1] if p.codes.shape[-1] == r * m else p.codes.shape[:-2]
+    empty = p.codes.new_empty(0)
+    x = DECODE_SEAT(p.codes.reshape(-1, r, m).contiguous(), p.row_scale.reshape(-1, r).contiguous(),
+                    p.row_zero.reshape(-1, r).contiguous(),
+                    empty if p.col_scale is None else p.col_scale.reshape(-1, c).contiguous(),
+                    empty if p.rotated is None else p.rotated.reshape(-1).contiguous(), f.bits, f.axis == "channel",
+                    f.rotation, f.tile, DTYPE_CODES[dtype])
+    return x.view(*lead, f.tile, f.head_dim)
+
+
+def tile_decode_reference(codes: torch.Tensor, row_scale: torch.Tensor, row_zero: torch.Tensor,
+                          col_scale: torch.Tensor, rotated: torch.Tensor, bits: int, channel: bool, rotate: int,
+                          tile: int, out_dtype: int) -> torch.Tensor:
+    """The default of the tile decode seat: `decode_tiles` (the reference) of the tiles these fields describe."""
+    d = codes.shape[1] if channel else codes.shape[2] * 8 // bits
+    fmt = AffineFormat(bits, "channel" if channel else "token", Rotation(rotate).name.lower(), tile, d,
+                       row_scale.dtype, row_zero.dtype, col_scale.dtype if col_scale.numel() else None)
+    p = AffineTiles(codes, row_scale, row_zero, col_scale if col_scale.numel() else None,
+                    rotated if rotate == Rotation.AUTO else None, fmt=fmt)
+    return decode_tiles(p, CODE_DTYPES[out_dtype])
+
+
+torch.library.impl("kvarn::tile_decode", "CompositeExplicitAutograd", tile_decode_reference)
 
 
 @dataclass(frozen=True)

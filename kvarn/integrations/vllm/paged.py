@@ -67,13 +67,13 @@ kvarn-auto presets (rotate="auto": each tile stored in the basis, rotated or pla
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvarn.attention import fused
 from kvarn.attention import launch as kernel
@@ -431,6 +431,7 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
     same: dict[tuple, list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]]] = {}
     groups = query.shape[1] // pool.geo.num_kv_heads
     waiting: list[tuple] = []  # pieces over a decoded past, served once every past is decoded (`_decoded_pasts`)
+    ops: tuple | bool | None = False  # `_vllm_cpu_ops`, looked up at the first prompt piece
     for i, p, j, rows, _ in batch.others if batched else _pieces(plan, g):
         if batch is not None and i in batch.request_set:  # a decode row of a layer that holds exact tiles
             exact[(i, j)] = _slot_rows(pool, p, j, query.dtype)  # write_step put them in the slot only
@@ -438,8 +439,10 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
         k, v = exact[(i, j)]
         out = fused_piece(pool, p, j, plan.sink_blocks, q, k[None], v[None], scale, softcap, plan, layer)
         if out is None:
-            if j and decodes_past(groups * q.shape[2], softcap):  # SDPA over the decoded past: pieces of one shape
-                waiting.append((i, p, j, rows, q, k, v))  # served together below
+            if ops is False:
+                ops = _vllm_cpu_ops(pool, query.dtype, sdpa, softcap)
+            if decodes_past(groups * q.shape[2], softcap) and (j or ops is not None):  # many query rows: served
+                waiting.append((i, p, j, rows, q, k, v))  # together below (first blocks too, by vLLM's attention)
                 continue
             past = past_view(pool, p, j, plan.sink_blocks, query.dtype, plan, layer)
             if past is None:  # nothing stored before this block (a first block): batched as well
@@ -448,59 +451,76 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
             out = packed_attention(q, k[None], v[None], KVarNPast(*past), None, scale, softcap,
                                    kernel=False)  # [1, L, Hq, D]
         output[rows] = out[0]
-    _decoded_pasts(pool, plan, {i: p for i, p, *_ in waiting}, query.dtype, sdpa, layer, decoded)
-    ops = _vllm_cpu_ops(pool, query.dtype, sdpa, softcap) if waiting else None
+    together = _decoded_pasts(pool, plan, {i: p for i, p, *_ in waiting}, query.dtype, sdpa, layer)
     for i, p, j, rows, q, k, v in waiting:
-        past = _decoded_past(pool, plan, p, i, j, query.dtype, sdpa, layer, decoded)
-        if ops is None:
+        if not ops:  # SDPA by shape over each request's past, sink and packed rows joined
+            past = _decoded_past(pool, plan, p, i, j, query.dtype, sdpa, layer, decoded, together)
             same.setdefault(_batch_key(False, j, q, k), []).append((rows, q, k, v, past))
-    if ops is not None:  # every piece over a decoded past in one call of vLLM's CPU attention
-        out = _vllm_pieces(ops, waiting, decoded, scale, g)
-        at = 0
-        for _, _, _, rows, q, *_ in waiting:
-            output[rows] = out[at:at + q.shape[2]]
-            at += q.shape[2]
+        elif together is None and j:  # pasts decoded one request at a time (tiles kept exact, keys held aside)
+            _decoded_past(pool, plan, p, i, j, query.dtype, sdpa, layer, decoded)
+    if waiting and ops:  # every piece with many query rows in one call of vLLM's CPU attention
+        _vllm_pieces(ops, waiting, together, decoded, scale, g, query, output)
     for pieces in same.values():  # block j of equally long prompts: one call for all of them (batch axis)
         out = _batched_pieces(plan, pieces, scale, softcap, sdpa)  # [n, L, Hq, D]
         for (rows, *_), o in zip(pieces, out):
             output[rows] = o
 
 
+@dataclass
+class DecodedPasts:
+    """The pasts of a step's prompt pieces decoded together (`_decoded_pasts`), left in parts: `rows` K, V
+    [1, H, n, D] (in the pieces' SDPA dtype) of every such request's packed blocks, request after request; `parts`
+    per request: its exact sink rows (K, V [1, H, ns * G, D] in that dtype, or None), its first row in `rows` and its
+    row count. The SDPA route joins a request's parts once (`joined`); vLLM's route pages them as they are."""
+    rows: tuple[torch.Tensor, torch.Tensor]
+    parts: dict[int, tuple[tuple[torch.Tensor, torch.Tensor] | None, int, int]]
+
+    def joined(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i's past, K and V [1, H, ns * G + n, D]: its sink rows, then its decoded rows."""
+        sink, at, n = self.parts[i]
+        return tuple(torch.cat(([] if sink is None else [sink[c]]) + [self.rows[c][:, :, at:at + n]], dim=2)
+                     for c in (0, 1))
+
+
 def _decoded_past(pool: LayerPool, plan: StepPlan, p: RequestPlan, i: int, j: int, dtype: torch.dtype,
-                  sdpa: torch.dtype, layer: str,
-                  decoded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+                  sdpa: torch.dtype, layer: str, decoded: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                  together: DecodedPasts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact rows (K, V [1, H, j * G, D] in `sdpa`) that `packed_attention` would read for a prefill piece of
     block j by decoding its past densely (`_decoded_sdpa`: many query rows, no soft cap): blocks [0, j) of request i
     decoded ONCE per step and layer (up to the request's last block touched in this step, every block before it
-    stored already) and sliced per piece, instead of decoding blocks 0 .. j-1 again for every piece j of a long
-    prompt. The rows are `past_view(..).dequantized(float32, dense=True)`, what `_decoded_sdpa` would compute from
-    the packed view, so the attention is the same to the bit; they are kept in `sdpa`, the dtype the pieces' SDPA
-    reads them in (cast once here, not once per piece)."""
+    stored already; taken from `together` where the step's pasts were decoded together) and sliced per piece,
+    instead of decoding blocks 0 .. j-1 again for every piece j of a long prompt. The rows are
+    `past_view(..).dequantized(float32, dense=True)`, what `_decoded_sdpa` would compute from the packed view, so the
+    attention is the same to the bit; they are kept in `sdpa`, the dtype the pieces' SDPA reads them in (cast once
+    here, not once per piece)."""
     if i not in decoded:
-        last = (p.length - 1) // pool.layout.tile  # the last block this step touches: its past is every stored one
-        full = past_view(pool, p, last, plan.sink_blocks, dtype, plan, layer)
-        decoded[i] = tuple(x.dequantized(torch.float32, dense=True).to(sdpa) for x in full)
+        if together is not None and i in together.parts:
+            decoded[i] = together.joined(i)
+        else:
+            last = (p.length - 1) // pool.layout.tile  # the last block this step touches: its past is every stored one
+            full = past_view(pool, p, last, plan.sink_blocks, dtype, plan, layer)
+            decoded[i] = tuple(x.dequantized(torch.float32, dense=True).to(sdpa) for x in full)
     n = j * pool.layout.tile
     return decoded[i][0][:, :, :n], decoded[i][1][:, :, :n]
 
 
 def _decoded_pasts(pool: LayerPool, plan: StepPlan, requests: dict[int, RequestPlan], dtype: torch.dtype,
-                   sdpa: torch.dtype, layer: str, decoded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """`_decoded_past`'s full pasts of the step's requests at once, into `decoded`: their packed blocks gathered in
-    one select and decoded in one call per kind, then cut per request behind its exact sinks. The same rows as one
-    request at a time (each tile decodes alone; tests/integrations/vllm/test_paged.py), with far fewer torch calls:
-    decoding 8 prompts' pasts one by one took ~11 ms a layer of a prefill step (docs/VLLM.md). Layers with tiles kept
-    exact or keys held aside leave them to `_decoded_past`, which restores those tiles request by request."""
+                   sdpa: torch.dtype, layer: str) -> DecodedPasts | None:
+    """`_decoded_past`'s full pasts of the step's requests at once: their packed blocks gathered in one select and
+    decoded in one call per kind, their sinks beside them. The same rows as one request at a time (each tile decodes
+    alone; tests/integrations/vllm/test_paged.py), with far fewer torch calls: decoding 8 prompts' pasts one by one
+    took ~11 ms a layer of a prefill step (docs/VLLM.md). None for layers with tiles kept exact or keys held aside:
+    `_decoded_past` restores those tiles request by request."""
     if not requests or plan.exact or plan.held.get(layer):
-        return
+        return None
     lay, g, h = pool.layout, pool.layout.tile, pool.geo.num_kv_heads
-    pasts, blocks = [], []  # (request, sink K/V or None, packed rows of its past); the packed blocks, in order
+    parts, blocks = {}, []  # request -> (sink K/V or None, first row, rows of its past); the packed blocks, in order
     for i, p in requests.items():
         last = (p.length - 1) // g  # as in `_decoded_past`: every stored block before the last one touched
         sink = _sink_rows(pool, p, last, plan.sink_blocks, dtype)
         ns = 0 if sink is None else sink[0].shape[2] // g
         sink = None if sink is None else tuple(x.to(torch.float32).to(sdpa) for x in sink)  # `dequantized`'s casts
-        pasts.append((i, sink, (last - ns) * g))
+        parts[i] = (sink, len(blocks) * g, (last - ns) * g)
         blocks += p.blocks[ns:last]
     idx = torch.tensor(blocks, dtype=torch.long)
     rows = []
@@ -510,12 +530,8 @@ def _decoded_pasts(pool: LayerPool, plan: StepPlan, requests: dict[int, RequestP
             continue
         packed = fields.select(idx).map(lambda v: v.transpose(0, 1)[None])  # [1, H, n, ...]
         view = StoredKV(None, packed, len(idx), None, _NO_EXACT, None, q, (1, h, lay.head_dim), dtype)
-        rows.append(view.decode_tiles(0, len(idx), torch.float32, dense=True).to(sdpa))
-    at = 0
-    for i, sink, n in pasts:
-        decoded[i] = tuple(torch.cat(([] if sink is None else [sink[c]]) + [rows[c][:, :, at:at + n]], dim=2)
-                           for c in (0, 1))
-        at += n
+        rows.append(view.decode_tiles(0, len(idx), sdpa, dense=True))  # = in float32, then cast (one pass)
+    return DecodedPasts((rows[0], rows[1]), parts)
 
 
 def _vllm_cpu_ops(pool: LayerPool, dtype: torch.dtype, sdpa: torch.dtype, softcap: float | None):
@@ -543,56 +559,89 @@ def vllm_cpu_attention(dtype: torch.dtype, tile: int, head_dim: int):
     return ops, _get_attn_isa(dtype, tile, head_dim)
 
 
-def _vllm_pieces(ops, waiting: list[tuple], decoded: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float,
-                 tile: int) -> torch.Tensor:
-    """The prompt pieces over a decoded past (`attend_step`'s `waiting`: request i, block j, rows, q [1, Hq, L, D],
-    its block's exact rows k, v [H, t, D]; `decoded[i]`: request i's past, K and V [1, H, m * tile, D]) as ONE causal
-    call of vLLM's CPU attention (`cpu_attention_with_kv_cache`, the kernel stock vLLM runs; 1.2x-1.8x faster than
-    `_batched_pieces` with AMX, fill included: docs/VLLM.md) -> [sum L, Hq, D]; `ops` from `vllm_cpu_attention`.
-    A scratch page cache holds every request's decoded past once (its exact sinks, then its decoded tiles) and each
-    piece's exact block; piece (i, j) is a sequence whose block table is request i's first j past blocks, then its
-    own block, of length j * tile + t, its L queries the last L positions (vLLM's causal alignment): the same keys and
-    mask as `_batched_pieces`, summed in another order."""
+def _vllm_pieces(ops, waiting: list[tuple], together: DecodedPasts | None,
+                 decoded: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float, tile: int, query: torch.Tensor,
+                 output: torch.Tensor) -> None:
+    """The prompt pieces with many query rows (`attend_step`'s `waiting`: request i, block j, rows, q [1, Hq, L, D],
+    its block's exact rows k, v [H, t, D]; each request's past in `together` (decoded together, in parts) or
+    `decoded[i]` (K, V [1, H, m * tile, D]), none for a first block) as ONE causal call of vLLM's CPU attention
+    (`cpu_attention_with_kv_cache`, the kernel stock vLLM runs; 1.2x-1.8x faster than `_batched_pieces` with AMX,
+    fill included: docs/VLLM.md), from the step's query [T, Hq, D] into output's rows (in place where the pieces'
+    rows are one run, as a prefill step's are); `ops` from `vllm_cpu_attention`. A scratch page cache holds every
+    request's decoded past once and each piece's exact block; piece (i, j) is a sequence whose block table is request
+    i's first j past pages, then its own page, of length j * tile + t, its L queries the last L positions (vLLM's
+    causal alignment): the same keys and mask as `_batched_pieces`, summed in another order. The pages are written
+    from the rows where they lie (vLLM's fill reads strided rows): the packed pasts decoded together in one call,
+    sinks and pasts decoded alone one call each, the pieces' own rows in one."""
     ops, isa = ops
     g = tile
-    first: dict[int, int] = {}  # request -> its first past block in the scratch pages
-    keys, values, n = [], [], 0
+    fills = []  # (K, V [r, H, D] rows, their first page)
+    n = 0  # pages so far
+    if together is not None and together.rows[0].shape[2]:  # every packed past decoded together: pages [0, n)
+        fills.append((together.rows[0][0].transpose(0, 1), together.rows[1][0].transpose(0, 1), 0))
+        n = together.rows[0].shape[2] // g
+    past: dict[int, list[int]] = {}  # request -> its past pages, in order
     for i, *_ in waiting:
-        if i not in first:
-            first[i], (kp, vp) = n, decoded[i]
-            keys.append(kp[0].transpose(0, 1))  # [m * G, H, D]
-            values.append(vp[0].transpose(0, 1))
+        if i in past:
+            continue
+        if together is not None and i in together.parts:
+            sink, at, m = together.parts[i]
+            ns = 0 if sink is None else sink[0].shape[2] // g
+            if ns:
+                fills.append((sink[0][0].transpose(0, 1), sink[1][0].transpose(0, 1), n))
+            past[i] = list(range(n, n + ns)) + list(range(at // g, (at + m) // g))
+            n += ns
+        elif i in decoded:
+            kp, vp = decoded[i]
+            fills.append((kp[0].transpose(0, 1), vp[0].transpose(0, 1), n))
+            past[i] = list(range(n, n + kp.shape[2] // g))
             n += kp.shape[2] // g
-    table = torch.zeros(len(waiting), max(j for _, _, j, *_ in waiting) + 1, dtype=torch.int32)
-    seq, ql = [], []
-    for r, (i, _, j, _, q, k, v) in enumerate(waiting):
-        table[r, :j] = torch.arange(first[i], first[i] + j, dtype=torch.int32)
-        table[r, j] = n
-        pad = (0, 0, 0, 0, 0, g - k.shape[1])  # the block's rows past t as zeros: the kernel weighs whole blocks, and
-        keys.append(F.pad(k.transpose(0, 1), pad))  # 0 x (stale NaN) would be NaN; [G, H, D]
-        values.append(F.pad(v.transpose(0, 1), pad))
-        seq.append(j * g + k.shape[1])
-        ql.append(q.shape[2])
-        n += 1
-    h, d = keys[0].shape[1:]
-    cache = torch.empty(n, h, 2 * g, d, dtype=keys[0].dtype)  # vLLM's CPU page: G key rows, then G value rows
-    key_cache, value_cache = cache.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(torch.cat(keys), torch.cat(values), key_cache, value_cache, torch.arange(n * g),
-                                   isa)  # every row of the scratch pages written
-    query = torch.cat([q[0].transpose(0, 1) for *_, q, _, _ in waiting])  # [sum L, Hq, D]
-    seq_lens = torch.tensor(seq, dtype=torch.int32)
-    start = torch.zeros(len(ql) + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(ql, dtype=torch.int32), 0, out=start[1:])
-    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=len(ql), num_heads=query.shape[1], num_kv_heads=h,
-                                               head_dim=d, seq_lens=seq_lens, dtype=query.dtype,
+        else:  # a first block alone: no past
+            past[i] = []
+    width = max(j for _, _, j, *_ in waiting) + 1
+    table = torch.tensor([past[i][:j] + [n + r] + [0] * (width - 1 - j) for r, (i, _, j, *_) in enumerate(waiting)],
+                         dtype=torch.int32)  # piece r's own page: n + r
+    t = [k.shape[1] for *_, k, _ in waiting]
+    h, d = waiting[0][5].shape[0], waiting[0][5].shape[2]
+    cache = torch.empty(n + len(waiting), h, 2 * g, d, dtype=waiting[0][5].dtype)  # vLLM's CPU page: G key rows,
+    key_cache, value_cache = cache.chunk(2, dim=2)  # then G value rows
+    slots = [torch.arange(at * g, at * g + k.shape[0]) for k, _, at in fills]
+    part = [n + r for r, x in enumerate(t) if x < g]
+    if part:  # pages a piece fills in part: zeroed (the kernel weighs whole pages, and 0 x a stale NaN is NaN)
+        cache[part] = 0
+    own = torch.arange(n * g, (n + len(waiting)) * g)
+    fills.append((torch.cat([k.transpose(0, 1) for *_, k, _ in waiting]),
+                  torch.cat([v.transpose(0, 1) for *_, v in waiting]), None))
+    slots.append(own if not part else torch.cat([own[r * g:r * g + x] for r, x in enumerate(t)]))
+    for (k, v, _), slot in zip(fills, slots):  # vLLM's fill reads the rows where they lie (strided)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slot, isa)
+    span = _span([w[3] for w in waiting])  # the pieces' rows, one run of the step's rows (a prefill step's are)
+    q = query[span] if span else torch.cat([query[w[3]] for w in waiting])  # [sum L, Hq, D]
+    seq_lens = torch.tensor([j * g + x for (_, _, j, *_), x in zip(waiting, t)], dtype=torch.int32)
+    start = torch.zeros(len(waiting) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor([w[4].shape[2] for w in waiting], dtype=torch.int32), 0, out=start[1:])
+    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=len(waiting), num_heads=q.shape[1], num_kv_heads=h,
+                                               head_dim=d, seq_lens=seq_lens, dtype=q.dtype,
                                                query_start_loc=start, causal=True, sliding_window_size=-1, isa=isa,
                                                enable_kv_split=False)
-    out = torch.empty_like(query)
-    ops.cpu_attention_with_kv_cache(query=query, key_cache=key_cache, value_cache=value_cache, output=out,
+    inplace = span is not None and output.dtype == q.dtype
+    out = output[span] if inplace else torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(query=q, key_cache=key_cache, value_cache=value_cache, output=out,
                                     query_start_loc=start, seq_lens=seq_lens, scale=scale, causal=True,
                                     alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
                                     scheduler_metadata=meta, s_aux=None)
-    return out
+    if not inplace:
+        for r, w in enumerate(waiting):
+            output[w[3]] = out[start[r]:start[r + 1]]
+
+
+def _span(rows: list) -> slice | None:
+    """The one slice that consecutive row slices make up, or None (rows not slices, or not back to back)."""
+    if not all(isinstance(r, slice) and r.step in (None, 1) for r in rows):
+        return None
+    if any(a.stop != b.start for a, b in itertools.pairwise(rows)):
+        return None
+    return slice(rows[0].start, rows[-1].stop)
 
 
 def _batch_key(fresh: bool, j: int, q: torch.Tensor, k: torch.Tensor) -> tuple:

@@ -18,6 +18,9 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
 
 at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, double damp);
 
+at::Tensor tile_decode(const at::Tensor& codes, const at::Tensor& a, const at::Tensor& z, const at::Tensor& col,
+                       const at::Tensor& rot, int64_t bits, bool channel, int64_t rotate, int64_t tile, int64_t out_dt);
+
 void write_rows(at::Tensor rows, const at::Tensor& key, const at::Tensor& value, const at::Tensor& tok,
                 const at::Tensor& blk, const at::Tensor& sub);
 
@@ -27,4 +30,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "query-aware rounding's coefficients per tile and basis (kvarn.ops.rtn.query_aware_bases)");
   m.def("write_rows", &write_rows, "a decode step's fresh K/V rows into their fp slots (vLLM pages)");
   m.def("store_tiles", &store_tiles, "fused tile store: Hadamard, VarN, RTN, fold, pack (AffineQuantizer tiles)");
+  m.def("tile_decode", &tile_decode, "the store's inverse: AffineQuantizer tiles decoded, token-major");
 }

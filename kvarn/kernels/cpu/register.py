@@ -2,7 +2,7 @@
 
 Each implementation calls exactly the entry point the wrappers called before the seats existed, with the same
 arguments (`kvarn.kernels.cpu.store.store_tiles`, the extension's `decode_attention`); an absent output (None from
-C++) becomes an empty tensor, as a custom op cannot return None.
+C++) becomes an empty tensor, as a custom op cannot return None. `tile_decode` (the store's inverse) came later.
 """
 
 from __future__ import annotations
@@ -30,6 +30,22 @@ def _coefficients(sigma, rotate, damp):
     return load().query_aware_coefficients(sigma.float().contiguous(), rotate, damp)
 
 
+def _tile_decode(codes, row_scale, row_zero, col_scale, rotated, bits, channel, rotate, tile, out_dtype):
+    return load().tile_decode(codes, row_scale, row_zero, col_scale, rotated, bits, channel, rotate, tile, out_dtype)
+
+
+def _decode_support(fields, bits: int) -> str | None:
+    """Why the C++ tile decode cannot serve these fields (None: it can): CPU tensors, no refined rows, the stored
+    widths, the extension built."""
+    if fields.codes.device.type != "cpu":
+        return f"tiles on {fields.codes.device.type}"
+    if fields.refine_rows is not None:
+        return "refined rows"
+    if bits not in store.STORE_BITS:
+        return f"{bits}-bit codes"
+    return _extension_support()
+
+
 def _extension_support() -> str | None:
     return None if load() is not None else error() or "the extension is unavailable"
 
@@ -40,3 +56,4 @@ _LIB = torch.library.Library("kvarn", "IMPL")
 seats.register_kernel(_LIB, "tile_store", "cpu", _tile_store, store.unsupported)
 seats.register_kernel(_LIB, "packed_decode", "cpu", _packed_decode, _extension_support)
 seats.register_kernel(_LIB, "query_aware_coefficients", "cpu", _coefficients, _extension_support)
+seats.register_kernel(_LIB, "tile_decode", "cpu", _tile_decode, _decode_support)

@@ -710,6 +710,53 @@ void coefficients_of(double* S, double damp, float* C, double* A, double* V, dou
   }
 }
 
+
+// The inverse of the store, per tile (kvarn.quant.affine.decode_tiles with dense=False, the reference): row r of
+// packed codes (kvarn.ops.packing: planes for 1/2/4 bits, groups of 8 codes in 3 bytes for 3, bytes for 8) unpacked
+// to float32 q[0, C)
+void unpack_row(const uint8_t* p, int C, int bits, float* q) {
+  if (bits == 8) {
+    for (int j = 0; j < C; ++j) q[j] = p[j];
+  } else if (bits == 3) {
+    for (int g = 0; g < C / 8; ++g) {
+      const uint32_t word = p[3 * g] | (p[3 * g + 1] << 8) | (p[3 * g + 2] << 16);
+      for (int j = 0; j < 8; ++j) q[8 * g + j] = static_cast<float>((word >> (3 * j)) & 7u);
+    }
+  } else {
+    const int per = 8 / bits, m = C / per, mask = (1 << bits) - 1;
+    for (int k = 0; k < per; ++k)
+#pragma omp simd
+      for (int j = 0; j < m; ++j) q[k * m + j] = static_cast<float>((p[j] >> (k * bits)) & mask);
+  }
+}
+
+// One tile: X^[r][c] = (q a_r + z_r) t_c in float32 (a product, a sum, a product: the reference's order), laid out
+// channel-major T [D][G], rotated back where asked (the butterfly), cast to out_dt into out [G][D] (contiguous).
+// s: 2 R + C floats of scratch (the tile's scales as float32).
+template <typename O>
+void decode_tile(const Config& c, const uint8_t* codes, const char* a, const char* z, const char* t, bool rotated,
+                 O* out, float* T, float* q, float* s) {
+  const int G = c.G, D = c.D, R = c.R, C = c.C;
+  float *ar = s, *zr = s + R, *tc = s + 2 * R;
+  for (int r = 0; r < R; ++r) ar[r] = get(c.scale_dt, a, r), zr[r] = get(c.zero_dt, z, r);
+  for (int j = 0; j < C; ++j) tc[j] = t ? get(c.col_dt, t, j) : 1.f;
+  for (int r = 0; r < R; ++r) {
+    unpack_row(codes + static_cast<int64_t>(r) * c.mb(), C, c.bits, q);
+    float* row = c.channel ? T + static_cast<int64_t>(r) * C : q;  // keys: rows are channels, columns tokens
+#pragma omp simd
+    for (int j = 0; j < C; ++j) {
+      float v = q[j] * ar[r];
+      v = v + zr[r];
+      row[j] = v * tc[j];  // x 1 without column scales: exact
+    }
+    if (!c.channel)  // values: rows are tokens; token r's channels into column r of T
+      for (int j = 0; j < C; ++j) T[static_cast<int64_t>(j) * G + r] = row[j];
+  }
+  if (rotated) fwht_rows(T, D, G);
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) out[static_cast<int64_t>(g) * D + d] = static_cast<O>(T[d * G + g]);
+}
+
 }  // namespace
 
 // x [N][G][D] float32/fp16/bf16, any strides; weight [N][D] float32 (rotate = auto, weighted) or empty; coef
@@ -847,6 +894,66 @@ at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, dou
   for (size_t k = 0; k < first.size(); ++k) {  // the rest of each run: copies of its first
     const int64_t stop = k + 1 < first.size() ? first[k + 1] : N;
     for (int64_t n = first[k] + 1; n < stop; ++n) std::memcpy(op + n * B * dd, op + first[k] * B * dd, B * dd * 4);
+  }
+  return out;
+}
+
+// AffineQuantizer fields of N tiles (codes [N][R][C b / 8], row scales and zeros [N][R], VarN column scales [N][C] or
+// empty, rotation flags [N] or empty: contiguous) -> token-major tiles [N][G][D] in out_dt (kvarn.ops.codes'
+// DTYPE_CODES), bit for bit what decode_tiles(dense=False) computes (kvarn.quant.affine; `decode_tile` above).
+at::Tensor tile_decode(const at::Tensor& codes, const at::Tensor& a, const at::Tensor& z, const at::Tensor& col,
+                       const at::Tensor& rot, int64_t bits, bool channel, int64_t rotate, int64_t tile, int64_t out_dt) {
+  auto code = [](const at::Tensor& x) {
+    switch (x.scalar_type()) {
+      case at::kFloat: return static_cast<int>(F32);
+      case at::kHalf: return static_cast<int>(F16);
+      case at::kBFloat16: return static_cast<int>(BF16);
+      case at::ScalarType::Float8_e4m3fn: return static_cast<int>(E4M3);
+      default: TORCH_CHECK(false, "kvarn decode: scales in ", x.scalar_type()); return 0;
+    }
+  };
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && a.is_contiguous() &&
+                  z.is_contiguous() && (col.numel() == 0 || col.is_contiguous()) &&
+                  (rot.numel() == 0 || (rot.is_contiguous() && rot.scalar_type() == at::kByte)),
+              "kvarn decode: fields must be contiguous, codes uint8 [N, R, C b / 8]");
+  const int64_t N = codes.size(0);
+  Config c{};
+  c.G = static_cast<int>(tile);
+  c.R = static_cast<int>(codes.size(1));
+  c.bits = static_cast<int>(bits);
+  c.C = static_cast<int>(codes.size(2) * 8 / bits);
+  c.D = channel ? c.R : c.C;
+  c.channel = channel;
+  TORCH_CHECK((channel ? c.C : c.R) == c.G, "kvarn decode: ", c.R, " rows of ", c.C, " codes are not tiles of ", tile,
+              " tokens");
+  c.scale_dt = code(a);
+  c.zero_dt = code(z);
+  c.varn = col.numel() > 0;
+  c.col_dt = c.varn ? code(col) : F32;
+  TORCH_CHECK(a.numel() == N * c.R && z.numel() == N * c.R && (!c.varn || col.numel() == N * c.C) &&
+                  (rotate != 2 || rot.numel() == N),
+              "kvarn decode: field sizes do not match ", N, " tiles");
+  at::Tensor out = at::empty({N, c.G, c.D}, codes.options().dtype(scalar_type(static_cast<int>(out_dt))));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const char *ap = static_cast<const char*>(a.data_ptr()), *zp = static_cast<const char*>(z.data_ptr());
+  const char* tp = c.varn ? static_cast<const char*>(col.data_ptr()) : nullptr;
+  const uint8_t* rp = rotate == 2 ? rot.data_ptr<uint8_t>() : nullptr;
+  auto run = [&](auto* op) {
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> T(static_cast<size_t>(c.G) * c.D), q(std::max(c.C, 8)), s(2 * c.R + c.C);
+      for (int64_t n = begin; n < end; ++n) {
+        const bool rotated = rotate == 1 || (rotate == 2 && rp[n]);
+        decode_tile(c, cp + n * c.R * c.mb(), ap + n * c.R * item_size(c.scale_dt),
+                    zp + n * c.R * item_size(c.zero_dt), tp ? tp + n * c.C * item_size(c.col_dt) : nullptr, rotated,
+                    op + n * c.G * c.D, T.data(), q.data(), s.data());
+      }
+    });
+  };
+  switch (out_dt) {  // the cast: float32 as it is, fp16 / bf16 rounded to nearest even (torch's .to())
+    case F32: run(out.data_ptr<float>()); break;
+    case F16: run(out.data_ptr<c10::Half>()); break;
+    case BF16: run(out.data_ptr<c10::BFloat16>()); break;
+    default: TORCH_CHECK(false, "kvarn decode: output dtype code ", out_dt, " (float32, fp16 or bf16)");
   }
   return out;
 }

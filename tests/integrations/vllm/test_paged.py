@@ -638,7 +638,7 @@ def test_prefill_pieces_decode_their_past_once(sink_blocks: int, dtype: torch.dt
     def run(once: bool) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
         with monkeypatch.context() as m:
             decodes = _views_per_decoded_past(m, None if once else (  # each piece its own view (not counted)
-                lambda pool, plan, p, i, j, dtype, sdpa, layer, decoded:
+                lambda pool, plan, p, i, j, dtype, sdpa, layer, decoded, together=None:
                 tuple(x.dequantized(sdpa, dense=True) for x in
                       real_view(pool, p, j, plan.sink_blocks, dtype, plan, layer))))
             gen = torch.Generator().manual_seed(5)
