@@ -143,8 +143,8 @@ def decode_kernel(p: AffineTiles, dtype: torch.dtype) -> torch.Tensor | None:
     (`torch.ops.kvarn.tile_decode`) where a kernel registered for the fields' device serves them (`kvarn.ops.dispatch`,
     KVARN_KERNEL; the C++ kernel equals the reference bit for bit): [..., G, D]; None where none does."""
     f = p.fmt
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16) or not use_kernel(lambda: supported("tile_decode", p.codes.device, p, f.bits),
-                                                  f"the tile decode kernel cannot decode {f}"):
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16) or not use_kernel(
+            lambda: supported("tile_decode", p.codes.device, p, f.bits), f"the tile decode kernel cannot decode {f}"):
         return None
     r, m, c = f.rows, packed_size(f.cols, f.bits), f.cols
     lead = p.codes.shape[:-1] if p.codes.shape[-1] == r * m else p.codes.shape[:-2]

@@ -346,7 +346,7 @@ def test_fallbacks_are_explicit(seed, monkeypatch):
             packed_attention(q, kn, vn, p)
         monkeypatch.setenv("KVARN_KERNEL", "auto")
         with monkeypatch.context() as m:
-            m.setattr(decode_mod, "SEAT", lambda *a: pytest.fail(f"{why}: the decode kernel was called"))
+            m.setattr(decode_mod, "SEAT", lambda *a, why=why: pytest.fail(f"{why}: the decode kernel was called"))
             out = packed_attention(q, kn, vn, p)
         monkeypatch.setenv("KVARN_KERNEL", "torch")
         tol = 0 if q.dtype == torch.float64 else 1e-5  # float64 tiles: no tile decode kernel (`decode_kernel`)
