@@ -616,7 +616,7 @@ def _vllm_pieces(ops, waiting: list[tuple], together: DecodedPasts | None,
     for (k, v, _), slot in zip(fills, slots):  # vLLM's fill reads the rows where they lie (strided)
         ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slot, isa)
     span = _span([w[3] for w in waiting])  # the pieces' rows, one run of the step's rows (a prefill step's are)
-    q = query[span] if span else torch.cat([query[w[3]] for w in waiting])  # [sum L, Hq, D]
+    q = query[span] if span else torch.cat([query[w[3]] for w in waiting])  # [sum L, Hq, D] (strided, as stock's)
     seq_lens = torch.tensor([j * g + x for (_, _, j, *_), x in zip(waiting, t)], dtype=torch.int32)
     start = torch.zeros(len(waiting) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor([w[4].shape[2] for w in waiting], dtype=torch.int32), 0, out=start[1:])
@@ -624,7 +624,7 @@ def _vllm_pieces(ops, waiting: list[tuple], together: DecodedPasts | None,
                                                head_dim=d, seq_lens=seq_lens, dtype=q.dtype,
                                                query_start_loc=start, causal=True, sliding_window_size=-1, isa=isa,
                                                enable_kv_split=False)
-    inplace = span is not None and output.dtype == q.dtype
+    inplace = span is not None and output.dtype == q.dtype and output[span].is_contiguous()
     out = output[span] if inplace else torch.empty_like(q)
     ops.cpu_attention_with_kv_cache(query=q, key_cache=key_cache, value_cache=value_cache, output=out,
                                     query_start_loc=start, seq_lens=seq_lens, scale=scale, causal=True,
