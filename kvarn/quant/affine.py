@@ -139,22 +139,21 @@ def decode_tiles(p: AffineTiles, dtype: torch.dtype = torch.float32, dense: bool
 
 
 def decode_kernel(p: AffineTiles, dtype: torch.dtype) -> torch.Tensor | None:
-    """`decode_tiles(p, dtype)` (fields [..., *field shape], flattened or not) through the tile decode seat
-    (`torch.ops.kvarn.tile_decode`) where a kernel registered for the fields' device serves them (`kvarn.ops.dispatch`,
-    KVARN_KERNEL; the C++ kernel equals the reference bit for bit): [..., G, D]; None where none does."""
+    """`decode_tiles(p, dtype)` of tiles p [...] through the tile decode seat (`torch.ops.kvarn.tile_decode`) where a
+    kernel registered for the fields' device serves them (`kvarn.ops.dispatch`, KVARN_KERNEL; the C++ kernel equals
+    the reference bit for bit): [..., G, D]; None where none does (and for float64, the dense path's own precision)."""
     f = p.fmt
     if dtype not in (torch.float32, torch.bfloat16, torch.float16) or not use_kernel(
-            lambda: supported("tile_decode", p.codes.device, p, f.bits), f"the tile decode kernel cannot decode {f}"):
+            lambda: supported("tile_decode", p.codes.device, p), f"the tile decode kernel cannot decode {f}"):
         return None
-    r, m, c = f.rows, packed_size(f.cols, f.bits), f.cols
-    lead = p.codes.shape[:-1] if p.codes.shape[-1] == r * m else p.codes.shape[:-2]
+    r, c = f.rows, f.cols
     empty = p.codes.new_empty(0)
-    x = DECODE_SEAT(p.codes.reshape(-1, r, m).contiguous(), p.row_scale.reshape(-1, r).contiguous(),
-                    p.row_zero.reshape(-1, r).contiguous(),
+    x = DECODE_SEAT(p.codes.reshape(-1, r, packed_size(c, f.bits)).contiguous(),
+                    p.row_scale.reshape(-1, r).contiguous(), p.row_zero.reshape(-1, r).contiguous(),
                     empty if p.col_scale is None else p.col_scale.reshape(-1, c).contiguous(),
                     empty if p.rotated is None else p.rotated.reshape(-1).contiguous(), f.bits, f.axis == "channel",
                     f.rotation, f.tile, DTYPE_CODES[dtype])
-    return x.view(*lead, f.tile, f.head_dim)
+    return x.view(*p.codes.shape[:-2], f.tile, f.head_dim)
 
 
 def tile_decode_reference(codes: torch.Tensor, row_scale: torch.Tensor, row_zero: torch.Tensor,

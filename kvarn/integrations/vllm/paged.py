@@ -431,16 +431,15 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
     same: dict[tuple, list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]]] = {}
     groups = query.shape[1] // pool.geo.num_kv_heads
     waiting: list[tuple] = []  # pieces over a decoded past, served once every past is decoded (`_decoded_pasts`)
-    ops: tuple | bool | None = False  # `_vllm_cpu_ops`, looked up at the first prompt piece
-    for i, p, j, rows, _ in batch.others if batched else _pieces(plan, g):
+    pieces = batch.others if batched else list(_pieces(plan, g))
+    ops = _vllm_cpu_ops(pool, query.dtype, sdpa, softcap) if pieces else None
+    for i, p, j, rows, _ in pieces:
         if batch is not None and i in batch.request_set:  # a decode row of a layer that holds exact tiles
             exact[(i, j)] = _slot_rows(pool, p, j, query.dtype)  # write_step put them in the slot only
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, L, D]
         k, v = exact[(i, j)]
         out = fused_piece(pool, p, j, plan.sink_blocks, q, k[None], v[None], scale, softcap, plan, layer)
         if out is None:
-            if ops is False:
-                ops = _vllm_cpu_ops(pool, query.dtype, sdpa, softcap)
             if decodes_past(groups * q.shape[2], softcap) and (j or ops is not None):  # many query rows: served
                 waiting.append((i, p, j, rows, q, k, v))  # together below (first blocks too, by vLLM's attention)
                 continue
@@ -453,16 +452,16 @@ def attend_step(pool: LayerPool, plan: StepPlan, query: torch.Tensor, output: to
         output[rows] = out[0]
     together = _decoded_pasts(pool, plan, {i: p for i, p, *_ in waiting}, query.dtype, sdpa, layer)
     for i, p, j, rows, q, k, v in waiting:
-        if not ops:  # SDPA by shape over each request's past, sink and packed rows joined
+        if ops is None:  # SDPA by shape over each request's past, sink and packed rows joined
             past = _decoded_past(pool, plan, p, i, j, query.dtype, sdpa, layer, decoded, together)
             same.setdefault(_batch_key(False, j, q, k), []).append((rows, q, k, v, past))
         elif together is None and j:  # pasts decoded one request at a time (tiles kept exact, keys held aside)
             _decoded_past(pool, plan, p, i, j, query.dtype, sdpa, layer, decoded)
-    if waiting and ops:  # every piece with many query rows in one call of vLLM's CPU attention
+    if waiting and ops is not None:  # every piece with many query rows in one call of vLLM's CPU attention
         _vllm_pieces(ops, waiting, together, decoded, scale, g, query, output)
-    for pieces in same.values():  # block j of equally long prompts: one call for all of them (batch axis)
-        out = _batched_pieces(plan, pieces, scale, softcap, sdpa)  # [n, L, Hq, D]
-        for (rows, *_), o in zip(pieces, out):
+    for group in same.values():  # block j of equally long prompts: one call for all of them (batch axis)
+        out = _batched_pieces(plan, group, scale, softcap, sdpa)  # [n, L, Hq, D]
+        for (rows, *_), o in zip(group, out):
             output[rows] = o
 
 
@@ -575,25 +574,30 @@ def _vllm_pieces(ops, waiting: list[tuple], together: DecodedPasts | None,
     sinks and pasts decoded alone one call each, the pieces' own rows in one."""
     ops, isa = ops
     g = tile
-    fills = []  # (K, V [r, H, D] rows, their first page)
+
+    def rows_from(page: int, n: int) -> torch.Tensor:  # the slots of n rows written from a page's first row on
+        return torch.arange(page * g, page * g + n)
+
+    fills = []  # (K, V [r, H, D] rows where they lie, their slots in the scratch pages)
     n = 0  # pages so far
     if together is not None and together.rows[0].shape[2]:  # every packed past decoded together: pages [0, n)
-        fills.append((together.rows[0][0].transpose(0, 1), together.rows[1][0].transpose(0, 1), 0))
-        n = together.rows[0].shape[2] // g
+        k, v = (x[0].transpose(0, 1) for x in together.rows)
+        fills.append((k, v, rows_from(0, k.shape[0])))
+        n = k.shape[0] // g
     past: dict[int, list[int]] = {}  # request -> its past pages, in order
     for i, *_ in waiting:
         if i in past:
             continue
-        if together is not None and i in together.parts:
+        if together is not None:
             sink, at, m = together.parts[i]
             ns = 0 if sink is None else sink[0].shape[2] // g
             if ns:
-                fills.append((sink[0][0].transpose(0, 1), sink[1][0].transpose(0, 1), n))
+                fills.append((sink[0][0].transpose(0, 1), sink[1][0].transpose(0, 1), rows_from(n, ns * g)))
             past[i] = list(range(n, n + ns)) + list(range(at // g, (at + m) // g))
             n += ns
-        elif i in decoded:
+        elif i in decoded:  # decoded one request at a time
             kp, vp = decoded[i]
-            fills.append((kp[0].transpose(0, 1), vp[0].transpose(0, 1), n))
+            fills.append((kp[0].transpose(0, 1), vp[0].transpose(0, 1), rows_from(n, kp.shape[2])))
             past[i] = list(range(n, n + kp.shape[2] // g))
             n += kp.shape[2] // g
         else:  # a first block alone: no past
@@ -602,19 +606,17 @@ def _vllm_pieces(ops, waiting: list[tuple], together: DecodedPasts | None,
     table = torch.tensor([past[i][:j] + [n + r] + [0] * (width - 1 - j) for r, (i, _, j, *_) in enumerate(waiting)],
                          dtype=torch.int32)  # piece r's own page: n + r
     t = [k.shape[1] for *_, k, _ in waiting]
-    h, d = waiting[0][5].shape[0], waiting[0][5].shape[2]
+    h, _, d = waiting[0][5].shape
     cache = torch.empty(n + len(waiting), h, 2 * g, d, dtype=waiting[0][5].dtype)  # vLLM's CPU page: G key rows,
     key_cache, value_cache = cache.chunk(2, dim=2)  # then G value rows
-    slots = [torch.arange(at * g, at * g + k.shape[0]) for k, _, at in fills]
     part = [n + r for r, x in enumerate(t) if x < g]
     if part:  # pages a piece fills in part: zeroed (the kernel weighs whole pages, and 0 x a stale NaN is NaN)
         cache[part] = 0
-    own = torch.arange(n * g, (n + len(waiting)) * g)
     fills.append((torch.cat([k.transpose(0, 1) for *_, k, _ in waiting]),
-                  torch.cat([v.transpose(0, 1) for *_, v in waiting]), None))
-    slots.append(own if not part else torch.cat([own[r * g:r * g + x] for r, x in enumerate(t)]))
-    for (k, v, _), slot in zip(fills, slots):  # vLLM's fill reads the rows where they lie (strided)
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slot, isa)
+                  torch.cat([v.transpose(0, 1) for *_, v in waiting]),
+                  torch.cat([rows_from(n + r, x) for r, x in enumerate(t)])))
+    for k, v, slots in fills:  # vLLM's fill reads the rows where they lie (strided)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
     span = _span([w[3] for w in waiting])  # the pieces' rows, one run of the step's rows (a prefill step's are)
     q = query[span] if span else torch.cat([query[w[3]] for w in waiting])  # [sum L, Hq, D] (strided, as stock's)
     seq_lens = torch.tensor([j * g + x for (_, _, j, *_), x in zip(waiting, t)], dtype=torch.int32)

@@ -21,6 +21,7 @@
 #include <c10/util/Half.h>
 
 #include "lanes.h"
+#include "packing.h"
 
 #include <algorithm>
 #include <cmath>
@@ -143,16 +144,6 @@ void codes_mm_bits(const uint8_t* codes, int R, int C, const float* w, int ws, i
     if (mb % 16 == 0) return codes_mm_rows<16, BITS>(codes, R, C, w, ws, M, out, os);
   if (mb % 8 == 0) codes_mm_rows<8, BITS>(codes, R, C, w, ws, M, out, os);
   else codes_mm_scalar<BITS>(codes, R, C, w, ws, M, out, os);
-}
-
-// 3-bit rows (groups of 8 codes in 3 bytes, code j at bits [3j, 3j + 3): kvarn/ops/packing.py) -> one code a byte.
-void unpack3(const uint8_t* codes, int R, int C, uint8_t* out) {
-  const int groups = R * C / 8;
-  for (int i = 0; i < groups; ++i) {
-    const uint8_t* p = codes + 3 * i;
-    const uint32_t word = p[0] | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16);
-    for (int j = 0; j < 8; ++j) out[8 * i + j] = static_cast<uint8_t>((word >> (3 * j)) & 7);
-  }
 }
 
 // out [M][C] = w [M][R] @ codes [R][C]

@@ -1,8 +1,9 @@
 """The C++ kernels behind the op seats for CPU tensors (`kvarn.ops.seats`), the extension built on first call.
 
 Each implementation calls exactly the entry point the wrappers called before the seats existed, with the same
-arguments (`kvarn.kernels.cpu.store.store_tiles`, the extension's `decode_attention`); an absent output (None from
-C++) becomes an empty tensor, as a custom op cannot return None. `tile_decode` (the store's inverse) came later.
+arguments (`kvarn.kernels.cpu.store.store_tiles`, the extension's `decode_attention`; `tile_decode`, the store's
+inverse, is the extension's own); an absent output (None from C++) becomes an empty tensor, as a custom op cannot
+return None.
 """
 
 from __future__ import annotations
@@ -34,15 +35,13 @@ def _tile_decode(codes, row_scale, row_zero, col_scale, rotated, bits, channel, 
     return load().tile_decode(codes, row_scale, row_zero, col_scale, rotated, bits, channel, rotate, tile, out_dtype)
 
 
-def _decode_support(fields, bits: int) -> str | None:
-    """Why the C++ tile decode cannot serve these fields (None: it can): CPU tensors, no refined rows, the stored
-    widths, the extension built."""
-    if fields.codes.device.type != "cpu":
-        return f"tiles on {fields.codes.device.type}"
-    if fields.refine_rows is not None:
+def _decode_support(tiles) -> str | None:
+    """Why the C++ tile decode cannot serve these `AffineTiles` (None: it can): CPU fields without refined rows, the
+    extension built."""
+    if tiles.codes.device.type != "cpu":
+        return f"tiles on {tiles.codes.device.type}"
+    if tiles.refine_rows is not None:
         return "refined rows"
-    if bits not in store.STORE_BITS:
-        return f"{bits}-bit codes"
     return _extension_support()
 
 

@@ -19,6 +19,7 @@
 #include <c10/util/Half.h>
 
 #include "lanes.h"
+#include "packing.h"
 #if defined(__AVX512F__) && __has_include(<sleef.h>)  // torch ships Sleef (its vectorized exp/log)
 #include <sleef.h>
 #define KVARN_SLEEF 1
@@ -30,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -47,6 +49,17 @@ c10::ScalarType scalar_type(int dt) {
     case F16: return at::kHalf;
     case BF16: return at::kBFloat16;
     default: return at::ScalarType::Float8_e4m3fn;
+  }
+}
+
+// the inverse: a stored field's dtype as its code
+int dtype_code(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return F32;
+    case at::kHalf: return F16;
+    case at::kBFloat16: return BF16;
+    case at::ScalarType::Float8_e4m3fn: return E4M3;
+    default: TORCH_CHECK(false, "kvarn: scales in ", x.scalar_type()); return F32;
   }
 }
 
@@ -528,26 +541,27 @@ void encode_rows(const Config& c, const float* X, Work& w, Encoded& e, const flo
   }
 }
 
-// sum_{g, d} weight_d (x^[g, d] - x[g, d])^2 of one encoding, x^ decoded from its stored fields and rotated back
-// (kvarn.quant.policy.weighted_error; x0t the unrotated tile channel-major [D][G], weight [D] or null = 1).
-double weighted_error(const Config& c, const Encoded& e, bool rotated, const float* x0t, const float* weight,
-                      Work& w) {
+// w.rec [D][G] (channel-major) <- the tile stored by fields a, z, t (t null without VarN) and codes q unpacked [R][C]:
+// rows (q a_r + z_r) t_c in float32, the reference's order (kvarn.quant.affine.decode_rows), transposed back for
+// values, rotated back by the butterfly where asked (decode_tiles with dense=False).
+void decode_rec(const Config& c, const uint8_t* qs, const char* a, const char* z, const char* t, bool rotated,
+                Work& w) {
   const int R = c.R, C = c.C, G = c.G, D = c.D;
-  float* rec = w.rec.data();  // channel-major [D][G]
-  float* t = w.tf.data();     // the stored fields as float32, once (get() per element does not vectorize)
-  for (int j = 0; j < C; ++j) t[j] = c.varn ? get(c.col_dt, e.col.data(), j) : 1.f;
+  float* rec = w.rec.data();
+  float* tf = w.tf.data();  // the stored fields as float32, once (get() per element does not vectorize)
+  for (int j = 0; j < C; ++j) tf[j] = t ? get(c.col_dt, t, j) : 1.f;
   // decoded rows [R][C]: for keys (rows = channels) that is rec itself, for values the rows are transposed after
   float* dec = c.channel ? rec : w.dec.data();
   for (int r = 0; r < R; ++r) {
-    const float a = get(c.scale_dt, e.a.data(), r), z = get(c.zero_dt, e.z.data(), r);
-    const uint8_t* q = e.q.data() + r * C;
+    const float ar = get(c.scale_dt, a, r), zr = get(c.zero_dt, z, r);
+    const uint8_t* q = qs + r * C;
     float* out = dec + r * C;
-    if (c.varn) {
+    if (t) {
 #pragma omp simd
-      for (int j = 0; j < C; ++j) out[j] = (static_cast<float>(q[j]) * a + z) * t[j];
+      for (int j = 0; j < C; ++j) out[j] = (static_cast<float>(q[j]) * ar + zr) * tf[j];
     } else {
 #pragma omp simd
-      for (int j = 0; j < C; ++j) out[j] = static_cast<float>(q[j]) * a + z;
+      for (int j = 0; j < C; ++j) out[j] = static_cast<float>(q[j]) * ar + zr;
     }
   }
   if (!c.channel)  // [G][D] -> [D][G]
@@ -555,6 +569,15 @@ double weighted_error(const Config& c, const Encoded& e, bool rotated, const flo
 #pragma omp simd
       for (int g = 0; g < G; ++g) rec[d * G + g] = dec[g * D + d];
   if (rotated) fwht_rows(rec, D, G);
+}
+
+// sum_{g, d} weight_d (x^[g, d] - x[g, d])^2 of one encoding, x^ decoded from its stored fields and rotated back
+// (kvarn.quant.policy.weighted_error; x0t the unrotated tile channel-major [D][G], weight [D] or null = 1).
+double weighted_error(const Config& c, const Encoded& e, bool rotated, const float* x0t, const float* weight,
+                      Work& w) {
+  const int G = c.G, D = c.D;
+  decode_rec(c, e.q.data(), e.a.data(), e.z.data(), c.varn ? e.col.data() : nullptr, rotated, w);
+  const float* rec = w.rec.data();
   double total = 0.0;
   for (int d = 0; d < D; ++d) {
     double part = 0.0;
@@ -711,52 +734,6 @@ void coefficients_of(double* S, double damp, float* C, double* A, double* V, dou
 }
 
 
-// The inverse of the store, per tile (kvarn.quant.affine.decode_tiles with dense=False, the reference): row r of
-// packed codes (kvarn.ops.packing: planes for 1/2/4 bits, groups of 8 codes in 3 bytes for 3, bytes for 8) unpacked
-// to float32 q[0, C)
-void unpack_row(const uint8_t* p, int C, int bits, float* q) {
-  if (bits == 8) {
-    for (int j = 0; j < C; ++j) q[j] = p[j];
-  } else if (bits == 3) {
-    for (int g = 0; g < C / 8; ++g) {
-      const uint32_t word = p[3 * g] | (p[3 * g + 1] << 8) | (p[3 * g + 2] << 16);
-      for (int j = 0; j < 8; ++j) q[8 * g + j] = static_cast<float>((word >> (3 * j)) & 7u);
-    }
-  } else {
-    const int per = 8 / bits, m = C / per, mask = (1 << bits) - 1;
-    for (int k = 0; k < per; ++k)
-#pragma omp simd
-      for (int j = 0; j < m; ++j) q[k * m + j] = static_cast<float>((p[j] >> (k * bits)) & mask);
-  }
-}
-
-// One tile: X^[r][c] = (q a_r + z_r) t_c in float32 (a product, a sum, a product: the reference's order), laid out
-// channel-major T [D][G], rotated back where asked (the butterfly), cast to out_dt into out [G][D] (contiguous).
-// s: 2 R + C floats of scratch (the tile's scales as float32).
-template <typename O>
-void decode_tile(const Config& c, const uint8_t* codes, const char* a, const char* z, const char* t, bool rotated,
-                 O* out, float* T, float* q, float* s) {
-  const int G = c.G, D = c.D, R = c.R, C = c.C;
-  float *ar = s, *zr = s + R, *tc = s + 2 * R;
-  for (int r = 0; r < R; ++r) ar[r] = get(c.scale_dt, a, r), zr[r] = get(c.zero_dt, z, r);
-  for (int j = 0; j < C; ++j) tc[j] = t ? get(c.col_dt, t, j) : 1.f;
-  for (int r = 0; r < R; ++r) {
-    unpack_row(codes + static_cast<int64_t>(r) * c.mb(), C, c.bits, q);
-    float* row = c.channel ? T + static_cast<int64_t>(r) * C : q;  // keys: rows are channels, columns tokens
-#pragma omp simd
-    for (int j = 0; j < C; ++j) {
-      float v = q[j] * ar[r];
-      v = v + zr[r];
-      row[j] = v * tc[j];  // x 1 without column scales: exact
-    }
-    if (!c.channel)  // values: rows are tokens; token r's channels into column r of T
-      for (int j = 0; j < C; ++j) T[static_cast<int64_t>(j) * G + r] = row[j];
-  }
-  if (rotated) fwht_rows(T, D, G);
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) out[static_cast<int64_t>(g) * D + d] = static_cast<O>(T[d * G + g]);
-}
-
 }  // namespace
 
 // x [N][G][D] float32/fp16/bf16, any strides; weight [N][D] float32 (rotate = auto, weighted) or empty; coef
@@ -900,22 +877,15 @@ at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, dou
 
 // AffineQuantizer fields of N tiles (codes [N][R][C b / 8], row scales and zeros [N][R], VarN column scales [N][C] or
 // empty, rotation flags [N] or empty: contiguous) -> token-major tiles [N][G][D] in out_dt (kvarn.ops.codes'
-// DTYPE_CODES), bit for bit what decode_tiles(dense=False) computes (kvarn.quant.affine; `decode_tile` above).
+// DTYPE_CODES), bit for bit what decode_tiles(dense=False) computes (kvarn.quant.affine; `decode_rec` above).
 at::Tensor tile_decode(const at::Tensor& codes, const at::Tensor& a, const at::Tensor& z, const at::Tensor& col,
                        const at::Tensor& rot, int64_t bits, bool channel, int64_t rotate, int64_t tile, int64_t out_dt) {
-  auto code = [](const at::Tensor& x) {
-    switch (x.scalar_type()) {
-      case at::kFloat: return static_cast<int>(F32);
-      case at::kHalf: return static_cast<int>(F16);
-      case at::kBFloat16: return static_cast<int>(BF16);
-      case at::ScalarType::Float8_e4m3fn: return static_cast<int>(E4M3);
-      default: TORCH_CHECK(false, "kvarn decode: scales in ", x.scalar_type()); return 0;
-    }
-  };
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && a.is_contiguous() &&
                   z.is_contiguous() && (col.numel() == 0 || col.is_contiguous()) &&
                   (rot.numel() == 0 || (rot.is_contiguous() && rot.scalar_type() == at::kByte)),
               "kvarn decode: fields must be contiguous, codes uint8 [N, R, C b / 8]");
+  TORCH_CHECK(out_dt == F32 || out_dt == F16 || out_dt == BF16, "kvarn decode: output dtype code ", out_dt,
+              " (float32, fp16 or bf16)");
   const int64_t N = codes.size(0);
   Config c{};
   c.G = static_cast<int>(tile);
@@ -926,10 +896,10 @@ at::Tensor tile_decode(const at::Tensor& codes, const at::Tensor& a, const at::T
   c.channel = channel;
   TORCH_CHECK((channel ? c.C : c.R) == c.G, "kvarn decode: ", c.R, " rows of ", c.C, " codes are not tiles of ", tile,
               " tokens");
-  c.scale_dt = code(a);
-  c.zero_dt = code(z);
+  c.scale_dt = dtype_code(a);
+  c.zero_dt = dtype_code(z);
   c.varn = col.numel() > 0;
-  c.col_dt = c.varn ? code(col) : F32;
+  c.col_dt = c.varn ? dtype_code(col) : F32;
   TORCH_CHECK(a.numel() == N * c.R && z.numel() == N * c.R && (!c.varn || col.numel() == N * c.C) &&
                   (rotate != 2 || rot.numel() == N),
               "kvarn decode: field sizes do not match ", N, " tiles");
@@ -939,21 +909,25 @@ at::Tensor tile_decode(const at::Tensor& codes, const at::Tensor& a, const at::T
   const char* tp = c.varn ? static_cast<const char*>(col.data_ptr()) : nullptr;
   const uint8_t* rp = rotate == 2 ? rot.data_ptr<uint8_t>() : nullptr;
   auto run = [&](auto* op) {
+    using O = std::remove_pointer_t<decltype(op)>;
     at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> T(static_cast<size_t>(c.G) * c.D), q(std::max(c.C, 8)), s(2 * c.R + c.C);
+      Work& w = work_for(c);
+      thread_local std::vector<uint8_t> qs;
+      qs.resize(static_cast<size_t>(c.R) * c.C);
       for (int64_t n = begin; n < end; ++n) {
-        const bool rotated = rotate == 1 || (rotate == 2 && rp[n]);
-        decode_tile(c, cp + n * c.R * c.mb(), ap + n * c.R * item_size(c.scale_dt),
-                    zp + n * c.R * item_size(c.zero_dt), tp ? tp + n * c.C * item_size(c.col_dt) : nullptr, rotated,
-                    op + n * c.G * c.D, T.data(), q.data(), s.data());
+        unpack_codes(cp + n * c.R * c.mb(), c.R, c.C, c.bits, qs.data());
+        decode_rec(c, qs.data(), ap + n * c.R * item_size(c.scale_dt), zp + n * c.R * item_size(c.zero_dt),
+                   tp ? tp + n * c.C * item_size(c.col_dt) : nullptr, rotate == 1 || (rotate == 2 && rp[n]), w);
+        auto* out = op + n * c.G * c.D;  // [G][D]: rec transposed, cast once
+        for (int g = 0; g < c.G; ++g)
+          for (int d = 0; d < c.D; ++d) out[g * c.D + d] = static_cast<O>(w.rec[static_cast<size_t>(d) * c.G + g]);
       }
     });
   };
   switch (out_dt) {  // the cast: float32 as it is, fp16 / bf16 rounded to nearest even (torch's .to())
     case F32: run(out.data_ptr<float>()); break;
     case F16: run(out.data_ptr<c10::Half>()); break;
-    case BF16: run(out.data_ptr<c10::BFloat16>()); break;
-    default: TORCH_CHECK(false, "kvarn decode: output dtype code ", out_dt, " (float32, fp16 or bf16)");
+    default: run(out.data_ptr<c10::BFloat16>());
   }
   return out;
 }
