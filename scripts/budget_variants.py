@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from row_widths import widths_preset
 
 from kvarn.cli import main
 from kvarn.presets.family import BUDGETS, affine_preset, budget_preset, channel_budget_preset
@@ -87,6 +88,12 @@ def register_variants() -> None:
     # per-channel zero points absorb; after RoPE it is a per-position sinusoid); reads decode and redo RoPE
     register_preset("kvarn-auto-k2v2-g128-prerope", lambda: affine_preset(
         "kvarn-auto", 2, 2, 128, name="kvarn-auto-k2v2-g128-prerope").replace(key_pre_rope=True))
+    # keys at 0-4 bits a channel, 2 bits on average (2.34375: 2.5 in all at head_dim 128): reverse water-filling in a
+    # tile (scripts/row_widths.py)
+    for rule in ("mse", "query"):
+        for mean_bits in (2.0, 2.34375):
+            name = f"kvarn-w{mean_bits:g}-{rule}-qar"
+            register_preset(name, lambda m=mean_bits, rule=rule, name=name: widths_preset(m, rule, name=name))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ attention-output proxy that chose that clip (`scripts/key_output_error.py`: |o(K
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import torch
 from budget_variants import register_variants
@@ -109,8 +110,9 @@ def whitened(x: torch.Tensor, sigma: torch.Tensor, n: int, rotate: bool) -> torc
     return xh @ w_inv.repeat_interleave(n, 0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bound_parser(description: str) -> argparse.ArgumentParser:
+    """The bound scripts' arguments: which prompts, and the cache's tile and sink."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--task", default="niah_multikey_2")
     ap.add_argument("--length", type=int, default=4096)
@@ -118,65 +120,89 @@ def main() -> None:
     ap.add_argument("--indices", default="0,1")
     ap.add_argument("--tile", type=int, default=128)
     ap.add_argument("--sink", type=int, default=128)
-    args = ap.parse_args()
-    register_variants()
+    return ap
+
+
+def layer_tiles(args: argparse.Namespace) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Per layer of each prompt: (q [Hq, T, D], k, v [H, T, D], E[q q^T] of the tile's KV head [N, D, D], the key tiles
+    past the sink x [N, G, D]), float64 (N = H n, the tiles of a head next to each other)."""
     torch.manual_seed(0)
     model, tok = load_model(args.model)
     hay = resolve_haystack("auto")
-    names = ["uniform clip 1.0 (no clip)", "uniform clip 0.8 (the preset's grid)", "uniform, best clip per row",
-             "gauss Lloyd-Max (mean, std)", "row Lloyd-Max (4 levels a row)", "clip 0.8 + 0.5% exact outliers",
-             "clip 0.8 + 1.0% exact outliers", "3 bits, best clip per row", "4 bits, best clip per row"]
-    extra = list(WHITENED) + PRESETS
-    key_err = dict.fromkeys(names + extra, 0.0)
-    out_err = dict.fromkeys(names + extra, 0.0)
     for i in (int(x) for x in args.indices.split(",")):
         s = ruler.fit(args.task, args.length, args.seed, i, lambda s: encode(tok, s).shape[1] + s.new_tokens, hay)
         ids = encode(tok, s)
-        print(f"sample {args.seed}/{i}: {ids.shape[1]} tokens")
+        print(f"sample {args.seed}/{i}: {ids.shape[1]} tokens", flush=True)
         for q, k, v in recorded(model, ids, torch.float64):
             h, t, d = k.shape
-            group, n, g = q.shape[0] // h, (t - args.sink) // args.tile, args.tile
-            qg = q.reshape(h, group * t, d)
+            n, g = (t - args.sink) // args.tile, args.tile
+            qg = q.reshape(h, -1, d)
             sigma = (qg.transpose(1, 2) @ qg / qg.shape[1]).repeat_interleave(n, 0)  # E[q q^T] [N, D, D]
-            x = k[:, args.sink:args.sink + n * g].reshape(h * n, g, d)  # [N, G, D]
-            ways = {}
-            for rotated in (False, True):  # each way in both bases (the tile's choice below)
-                xb = hadamard_transform(x) if rotated else x
-                b, s_col, s_row = varn(xb.transpose(-1, -2))  # rows = channels [N, D, G]
-                scale = s_col[..., None, :] * s_row[..., :, None]
-                w = scale ** 2  # the balanced error's weight on the keys' own scale
-                base = uniform(b, 2, 0.8)
-                grids = (uniform(b, 2, 1.0), base, best_clip(b, 2, w),
-                         nearest(b, b.mean(-1, keepdim=True) + b.std(-1, keepdim=True) * GAUSS_LM), row_lloyd_max(b),
-                         with_outliers(b, base, w, 0.005), with_outliers(b, base, w, 0.01), best_clip(b, 3, w),
-                         best_clip(b, 4, w))
-                for name, bh in zip(names, grids):
-                    xh = (bh * scale).transpose(-1, -2)
-                    ways.setdefault(name, []).append(hadamard_transform(xh) if rotated else xh)
-            e = [((ways[names[1]][r] - x) @ sigma * (ways[names[1]][r] - x)).sum((1, 2)) for r in (0, 1)]
-            rot = (e[1] < e[0])[:, None, None]  # [N, 1, 1]: the query-weighted choice, as kvarn-auto's
-            chosen = {name: torch.where(rot, pair[1], pair[0]) for name, pair in ways.items()}
-            for name, rotate in WHITENED.items():  # another basis: the score error is the plain error there
-                chosen[name] = whitened(x, sigma[::n], n, rotate)
-            for p in PRESETS:
-                kq = get_preset(p).quantizers(d)[0]
-                cov = getattr(kq, "takes_covariance", False)
-                wt = (sigma if cov else sigma.diagonal(dim1=-2, dim2=-1)).float()
-                chosen[p] = kq.decode(kq.encode(x.float(), wt)).double()
-            exact = attend(q, k, v, group)
-            for name, xh in chosen.items():
-                key_err[name] += float((xh - x).square().sum())
-                kh = k.clone()
-                kh[:, args.sink:args.sink + n * g] = xh.reshape(h, n * g, d)
-                out_err[name] += float((attend(q, kh, v, group) - exact).square().sum() / exact.square().sum())
-    ref = names[1]
+            yield q, k, v, sigma, k[:, args.sink:args.sink + n * g].reshape(h * n, g, d)
+
+
+def score(chosen: dict[str, torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+          sink: int, key_err: dict[str, float], out_err: dict[str, float]) -> None:
+    """Add each way's squared key error and attention-output proxy (keys of the tiles x replaced by its own)."""
+    h, _, d = k.shape
+    group = q.shape[0] // h
+    exact = attend(q, k, v, group)
+    for name, xh in chosen.items():
+        key_err[name] = key_err.get(name, 0.0) + float((xh - x).square().sum())
+        kh = k.clone()
+        kh[:, sink:sink + x.shape[0] // h * x.shape[1]] = xh.reshape(h, -1, d)
+        err = float((attend(q, kh, v, group) - exact).square().sum() / exact.square().sum())
+        out_err[name] = out_err.get(name, 0.0) + err
+
+
+def report(key_err: dict[str, float], out_err: dict[str, float], ref: str, what: str, head: str) -> None:
+    """The table of both errors relative to `ref`'s, `ref` first."""
     print(f"squared key error and attention-output proxy (last {ROWS} queries, summed over layers and samples), "
-          "relative to the preset's grid with nearest rounding; each tile in the basis (plain or Hadamard) where "
-          "that grid's query-weighted error is less")
-    print("| grid | key error | output proxy |\n| --- | --- | --- |")
-    for name in names + extra:
+          f"relative to {what}")
+    print(f"| {head} | key error | output proxy |\n| --- | --- | --- |")
+    for name in [ref] + [x for x in key_err if x != ref]:
         print(f"| {name} | {key_err[name] / key_err[ref]:.3f} | {out_err[name] / out_err[ref]:.3f} |")
-    print(f"(the preset's grid: output proxy {out_err[ref]:.4f} summed)")
+    print(f"(the reference: output proxy {out_err[ref]:.4f} summed)")
+
+
+def main() -> None:
+    args = bound_parser(__doc__.splitlines()[0]).parse_args()
+    register_variants()
+    names = ["uniform clip 1.0 (no clip)", "uniform clip 0.8 (the preset's grid)", "uniform, best clip per row",
+             "gauss Lloyd-Max (mean, std)", "row Lloyd-Max (4 levels a row)", "clip 0.8 + 0.5% exact outliers",
+             "clip 0.8 + 1.0% exact outliers", "3 bits, best clip per row", "4 bits, best clip per row"]
+    key_err: dict[str, float] = {}
+    out_err: dict[str, float] = {}
+    for q, k, v, sigma, x in layer_tiles(args):
+        n, d = x.shape[0] // k.shape[0], x.shape[2]
+        ways = {}
+        for rotated in (False, True):  # each way in both bases (the tile's choice below)
+            xb = hadamard_transform(x) if rotated else x
+            b, s_col, s_row = varn(xb.transpose(-1, -2))  # rows = channels [N, D, G]
+            scale = s_col[..., None, :] * s_row[..., :, None]
+            w = scale ** 2  # the balanced error's weight on the keys' own scale
+            base = uniform(b, 2, 0.8)
+            grids = (uniform(b, 2, 1.0), base, best_clip(b, 2, w),
+                     nearest(b, b.mean(-1, keepdim=True) + b.std(-1, keepdim=True) * GAUSS_LM), row_lloyd_max(b),
+                     with_outliers(b, base, w, 0.005), with_outliers(b, base, w, 0.01), best_clip(b, 3, w),
+                     best_clip(b, 4, w))
+            for name, bh in zip(names, grids):
+                xh = (bh * scale).transpose(-1, -2)
+                ways.setdefault(name, []).append(hadamard_transform(xh) if rotated else xh)
+        e = [((ways[names[1]][r] - x) @ sigma * (ways[names[1]][r] - x)).sum((1, 2)) for r in (0, 1)]
+        rot = (e[1] < e[0])[:, None, None]  # [N, 1, 1]: the query-weighted choice, as kvarn-auto's
+        chosen = {name: torch.where(rot, pair[1], pair[0]) for name, pair in ways.items()}
+        for name, rotate in WHITENED.items():  # another basis: the score error is the plain error there
+            chosen[name] = whitened(x, sigma[::n], n, rotate)
+        for p in PRESETS:
+            kq = get_preset(p).quantizers(d)[0]
+            cov = getattr(kq, "takes_covariance", False)
+            wt = (sigma if cov else sigma.diagonal(dim1=-2, dim2=-1)).float()
+            chosen[p] = kq.decode(kq.encode(x.float(), wt)).double()
+        score(chosen, q, k, v, x, args.sink, key_err, out_err)
+    report(key_err, out_err, names[1], "the preset's grid with nearest rounding; each tile in the basis (plain or "
+           "Hadamard) where that grid's query-weighted error is less", "grid")
+
 
 if __name__ == "__main__":
     main()
