@@ -1,5 +1,5 @@
 """Keys whose channels get 0-4 bits each, the same 2 bits a row on average (a lab variant of issue 20; docs/TASKS.md,
-"Bits spread over a tile's channels"): transform coding's reverse water-filling within a key tile, in the basis
+"Bits spread over a key tile's channels"): transform coding's reverse water-filling within a key tile, in the basis
 kvarn-auto chooses (plain or Hadamard), after VarN.
 
 Per tile and basis, VarN's balanced rows b (channels) with X = b s_col s_row; row r at width w in 1..4 is the uniform
@@ -9,8 +9,7 @@ grid of the clip (of `CLIPS`) that errs least, at width 0 the row's mean. The er
                                                                       1 in the rotated basis) or 1 ("mse")
 
 is summed into the tile's total, which the widths minimise subject to sum_r w_r = mean_bits R (`allocate_widths`,
-exact). Query-aware rounding (`-qar`) rounds every row on its
-own grid in the same error feedback.
+exact). Query-aware rounding (`-qar`) rounds every row on its own grid in the same error feedback.
 
 Stored here in a 4-bit container: codes of width w use 0..2^w - 1 with the row's own step, so the fused 4-bit kernels
 and the vLLM plugin read the tiles as they are. A packed store would hold sum_r w_r G bits of codes a tile (the
