@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.ops.rtn import RANGE_GUARD, query_aware_round, rtn_quantize, rtn_targets
+from kvarn.ops.rtn import RANGE_GUARD, query_aware_round, rtn_targets
 from kvarn.presets.family import CLIP_2BIT, affine_preset
 from kvarn.presets.preset import Preset
 from kvarn.quant.affine import AffineConfig, QueryAwareQuantizer
@@ -64,51 +64,42 @@ def width_targets(b: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor, gai
     wt = wt if gain is None else wt * gain[..., None]
     mean = b.mean(-1, keepdim=True)
     err = [((mean - b).square() * wt).sum(-1)]
-    clips = []
-    for bits in range(1, WIDTHS):
-        best = best_c = None
-        for c in CLIPS:
-            q, delta, lo = rtn_quantize(b, bits, c)
-            e = ((q.to(b.dtype) * delta + lo - b).square() * wt).sum(-1)
-            best_c = torch.full_like(e, c) if best is None else torch.where(e < best, c, best_c)
-            best = e if best is None else torch.minimum(e, best)
-        err.append(best)
-        clips.append(best_c)
-    w = allocate_widths(torch.stack(err, -1), mean_bits)
     delta = (b.amax(-1, keepdim=True) - b.amin(-1, keepdim=True)).clamp_min(RANGE_GUARD)
-    u, lo = (b - mean) / delta, mean
+    targets = [((b - mean) / delta, delta, mean)]  # width 0
+    for bits in range(1, WIDTHS):  # each row's best clip at this width (ties: the first clip)
+        best = None
+        for c in CLIPS:
+            t = rtn_targets(b, bits, c)
+            e = ((torch.round(t[0]).clamp_(0, (1 << bits) - 1) * t[1] + t[2] - b).square() * wt).sum(-1)
+            if best is None:
+                best, chosen = e, t
+            else:
+                better = e < best
+                best = torch.where(better, e, best)
+                chosen = tuple(torch.where(better[..., None], x, y) for x, y in zip(t, chosen))
+        err.append(best)
+        targets.append(chosen)
+    w = allocate_widths(torch.stack(err, -1), mean_bits)
+    u, delta, lo = targets[0]
     for bits in range(1, WIDTHS):
         pick = (w == bits)[..., None]
-        if not bool(pick.any()):
-            continue
-        ub, db, lb = _clipped_targets(b, bits, clips[bits - 1])
-        u, delta, lo = torch.where(pick, ub, u), torch.where(pick, db, delta), torch.where(pick, lb, lo)
+        u, delta, lo = (torch.where(pick, x, y) for x, y in zip(targets[bits], (u, delta, lo)))
     return u, delta, lo, ((1 << w) - 1).masked_fill(w == 0, 0).to(b.dtype)
 
 
-def _clipped_targets(b: torch.Tensor, bits: int, clip: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`rtn_targets` of rows b with each row's own clip [N, R]."""
-    out = None
-    for c in CLIPS:
-        t = rtn_targets(b, bits, c)
-        sel = (clip == c)[..., None]
-        out = t if out is None else tuple(torch.where(sel, x, y) for x, y in zip(t, out))
-    return out
-
-
 class RowWidthsQuantizer(QueryAwareQuantizer):
-    """Keys at 0-4 bits a channel, `mean_bits` on average a tile (module docstring), in a 4-bit container; rounding
-    "query-aware" with the running E[q q^T] (as `QueryAwareQuantizer`), else nearest. PyTorch only (no store
-    kernel knows the widths)."""
+    """Keys at 0-4 bits a channel, `mean_bits` on average a tile (module docstring), in a 4-bit container, rounded
+    query-aware with the running E[q q^T] (as `QueryAwareQuantizer`). PyTorch only (no store kernel knows the
+    widths)."""
 
-    def __init__(self, config: AffineConfig, mean_bits: float, rule: str, query_aware: bool) -> None:
+    def __init__(self, config: AffineConfig, mean_bits: float, rule: str) -> None:
         if config.bits != WIDTHS - 1 or config.axis != "channel":
             raise ValueError("row widths are stored in a 4-bit key container (bits=4, axis 'channel')")
         if rule not in ("mse", "query"):
             raise ValueError(f"rule must be 'mse' or 'query', got {rule!r}")
         super().__init__(config)
-        self.mean_bits, self.rule, self.query_aware = mean_bits, rule, query_aware
-        self.name += f"-w{mean_bits:g}-{rule}" + ("" if query_aware else "-nearest")
+        self.mean_bits, self.rule = mean_bits, rule
+        self.name += f"-w{mean_bits:g}-{rule}"
 
     def packed_bits_per_element(self, head_dim: int) -> float:
         """What a packed store would hold: the 2-bit format's bytes with mean_bits of codes, plus the widths."""
@@ -131,23 +122,21 @@ class RowWidthsQuantizer(QueryAwareQuantizer):
 
     def _encode_rows_qa(self, x: torch.Tensor, fmt: AffineFormat, coef: torch.Tensor,
                         weight: torch.Tensor | None = None) -> AffineTiles:
-        if not self.query_aware:
-            return self._encode_rows(x, fmt, weight)
         b, s_col, s_row = self._normalized(x)
         u, delta, lo, levels = width_targets(b, s_col, s_row, self._gain(weight), self.mean_bits)
         delta, lo = self._row_steps(delta, lo, s_row)
         return self._tiles(query_aware_round(u, coef, delta, WIDTHS - 1, levels), delta, lo, s_col, fmt)
 
 
-def widths_preset(mean_bits: float, rule: str = "mse", query_aware: bool = True, name: str | None = None) -> Preset:
+def widths_preset(mean_bits: float, rule: str = "mse", name: str | None = None) -> Preset:
     """`kvarn-auto-k2v2-g128-qar-clip` with keys at 0-4 bits a channel, mean_bits on average (module docstring)."""
     base = affine_preset("kvarn-auto", 2, 2, 128, rounding="query-aware", clip=(CLIP_2BIT, CLIP_2BIT))
     col = base.key(0).config.col_scale_dtype
 
     def key(_: int) -> RowWidthsQuantizer:
         return RowWidthsQuantizer(AffineConfig(WIDTHS - 1, "channel", "auto", True, tile=128, col_scale_dtype=col),
-                                  mean_bits, rule, query_aware)
+                                  mean_bits, rule)
 
-    name = name or f"kvarn-w{mean_bits:g}-{rule}" + ("-qar" if query_aware else "")
+    name = name or f"kvarn-w{mean_bits:g}-{rule}-qar"
     return base.replace(name=name, key=key, description=base.description + f"; keys at 0-4 bits a channel, "
                         f"{mean_bits:g} on average ({rule} widths), in a 4-bit container (lab)")

@@ -26,13 +26,11 @@ rounding, each tile in the basis of plain or Hadamard that errs less under E[q q
 from __future__ import annotations
 
 import torch
-from lloyd_max_bound import best_clip, bound_parser, layer_tiles, report, score, uniform
-from row_widths import allocate_widths
+from lloyd_max_bound import bound_parser, layer_tiles, report, score, uniform
+from row_widths import width_targets
 
 from kvarn.ops.hadamard import hadamard_transform
 from kvarn.ops.varn import varn
-
-WIDTHS = range(5)  # 0..4 bits a row
 
 
 def eigenbasis(x: torch.Tensor) -> torch.Tensor:
@@ -43,16 +41,14 @@ def eigenbasis(x: torch.Tensor) -> torch.Tensor:
 
 def coded(x: torch.Tensor, qdiag: torch.Tensor | None, mean_bits: float | None) -> torch.Tensor:
     """Tiles x [N, G, D] (in their basis) through VarN and per-row grids; mean_bits None: 2 bits every row, clip 0.8
-    (the preset's grid). qdiag [N, D]: the queries' energy per channel, weighting the allocation (None: mse)."""
+    (the preset's grid), else the lab store's widths and clips (`row_widths.width_targets`, nearest rounding).
+    qdiag [N, D]: the queries' energy per channel, weighting the allocation (None: mse)."""
     b, s_col, s_row = varn(x.transpose(-1, -2))  # rows = channels [N, D, G]
     scale = s_col[..., None, :] * s_row[..., :, None]
     if mean_bits is None:
         return (uniform(b, 2, 0.8) * scale).transpose(-1, -2)
-    w = scale ** 2 * (1.0 if qdiag is None else qdiag[..., None])
-    grids = [b.mean(-1, keepdim=True).expand_as(b)] + [best_clip(b, bits, w) for bits in WIDTHS if bits]
-    err = torch.stack([(((g - b) ** 2) * w).sum(-1) for g in grids], -1)  # [N, D, W]
-    pick = allocate_widths(err, mean_bits)
-    bh = torch.stack(grids, -1).gather(-1, pick[..., None, None].expand(*b.shape, 1))[..., 0]
+    u, delta, lo, levels = width_targets(b, s_col, s_row, qdiag, mean_bits)
+    bh = torch.minimum(torch.round(u).clamp(min=0), levels[..., None]) * delta + lo
     return (bh * scale).transpose(-1, -2)
 
 
