@@ -1,7 +1,7 @@
-"""What the lab's per-channel key widths pick (scripts/row_widths.py; docs/TASKS.md, "Bits spread over a key tile's
-channels"): on a prompt's full-precision keys (tiles past the sink, the whole prompt's E[q q^T] as the running
-statistics), per layer the share of key tiles kept rotated, the share of channels at 0-4 bits in the plain tiles,
-and the mean width of the channels the queries weigh most.
+"""What the per-channel key widths pick (`kvarn.ops.widths`, the `kvarn-w` presets; docs/TASKS.md, "Bits spread over
+a key tile's channels"): on a prompt's full-precision keys (tiles past the sink, the whole prompt's E[q q^T] as the
+running statistics), per layer the share of key tiles kept rotated, the share of channels at 0-4 bits in the plain
+tiles, and the mean width of the channels the queries weigh most.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/row_widths_picks.py --seed 7 --indices 0
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 from lloyd_max_bound import bound_parser, layer_tiles
-from row_widths import width_targets, widths_preset
+
+from kvarn.ops.widths import width_targets
+from kvarn.presets.family import widths_preset
 
 
 def main() -> None:
@@ -21,12 +23,11 @@ def main() -> None:
     total = torch.zeros(5)
     for layer, (_, _, _, sigma, x) in enumerate(layer_tiles(args)):
         x, sigma = x.float(), sigma.float()
-        kq = widths_preset(args.mean_bits, "query").key(x.shape[2])
+        kq = widths_preset(mean=args.mean_bits).key(x.shape[2])
         rotated = kq.encode(x, sigma).rotated.bool()
         energy = sigma.diagonal(dim1=-2, dim2=-1)  # [N, D]
         b, s_col, s_row = kq._normalized(x.transpose(-1, -2))  # the plain basis, as the store encodes it
-        levels = width_targets(b, s_col, s_row, energy, args.mean_bits)[3]
-        w = (levels + 1).log2().round().long()[~rotated]  # [plain tiles, D]
+        w = width_targets(b, s_col, s_row, energy, round(args.mean_bits * x.shape[2]))[4][~rotated]  # [plain tiles, D]
         hist = torch.bincount(w.flatten(), minlength=5).float()
         total += hist
         top = energy[~rotated].argsort(-1, descending=True)[:, :args.top]

@@ -6,7 +6,7 @@ The keys of a `niah_multikey_2` prompt (full precision, one forward; post-RoPE, 
 into the cache's 128-token tiles after the 128-token sink. Each tile is put in a basis, through VarN (rows =
 channels), and each row gets a width of 0-4 bits: 0 keeps the row's mean, b > 0 the uniform grid with the row's best
 clip. The widths are chosen per tile to minimise the weighted error, summing to 2 bits a row on average
-(`row_widths.allocate_widths`; the preset's bytes plus 3 bits a row for the widths, +0.02 bits per element).
+(`kvarn.ops.widths.allocate_widths`; the preset's bytes plus 3 bits a row for the widths, +0.02 bits per element).
 Weights: "mse" the keys' own squared error; "query" that error times the queries' energy on the channel (diag
 E[q q^T] in the basis, the whole prompt's: an oracle for the running statistics a cache keeps). Bases:
 
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 from lloyd_max_bound import bound_parser, layer_tiles, report, score, uniform
-from row_widths import width_targets
 
 from kvarn.ops.hadamard import hadamard_transform
 from kvarn.ops.varn import varn
+from kvarn.ops.widths import width_targets
 
 
 def eigenbasis(x: torch.Tensor) -> torch.Tensor:
@@ -41,13 +41,13 @@ def eigenbasis(x: torch.Tensor) -> torch.Tensor:
 
 def coded(x: torch.Tensor, qdiag: torch.Tensor | None, mean_bits: float | None) -> torch.Tensor:
     """Tiles x [N, G, D] (in their basis) through VarN and per-row grids; mean_bits None: 2 bits every row, clip 0.8
-    (the preset's grid), else the lab store's widths and clips (`row_widths.width_targets`, nearest rounding).
+    (the preset's grid), else the lab store's widths and clips (`kvarn.ops.widths.width_targets`, nearest rounding).
     qdiag [N, D]: the queries' energy per channel, weighting the allocation (None: mse)."""
     b, s_col, s_row = varn(x.transpose(-1, -2))  # rows = channels [N, D, G]
     scale = s_col[..., None, :] * s_row[..., :, None]
     if mean_bits is None:
         return (uniform(b, 2, 0.8) * scale).transpose(-1, -2)
-    u, delta, lo, levels = width_targets(b, s_col, s_row, qdiag, mean_bits)
+    u, delta, lo, levels, _ = width_targets(b, s_col, s_row, qdiag, round(mean_bits * x.shape[2]))
     bh = torch.minimum(torch.round(u).clamp(min=0), levels[..., None]) * delta + lo
     return (bh * scale).transpose(-1, -2)
 

@@ -20,6 +20,7 @@ from kvarn.cache.store import LayerStore
 from kvarn.presets import Preset, affine_preset, get_preset
 from kvarn.quant.affine import AffineQuantizer
 from kvarn.quant.tiles import AffineTiles
+from tests.reference import widths as widths_ref
 from tests.reference.affine import TileRef, quantize_tile_ref, reconstruct_ref
 from tests.reference.data import heavy_tailed
 from tests.reference.hadamard import hadamard_reference
@@ -93,7 +94,15 @@ def dequant_affine_f64(view: StoredKV) -> torch.Tensor:
     """[B, H, n*G, D] float64 reconstruction of packed tiles of an AffineQuantizer (docs/SPEC.md §3 step 5)."""
     cfg = view.quantizer.config
     f = view.packed
-    codes = unpack_tensor(f.codes, cfg.bits).double()  # [B, H, n, R, C]
+    if f.row_widths is not None:  # key rows at their own widths, by the reference reader, tile by tile
+        fmt = f.fmt
+        lead = f.codes.shape[:-1]
+        widths = [unpack_row(w, 3) for w in f.row_widths.reshape(-1, f.row_widths.shape[-1]).tolist()]
+        codes = torch.tensor([widths_ref.unpack_rows(c, w, fmt.cols) for c, w in
+                              zip(f.codes.reshape(-1, f.codes.shape[-1]).tolist(), widths, strict=True)],
+                             dtype=torch.float64).reshape(*lead, fmt.rows, fmt.cols)
+    else:
+        codes = unpack_tensor(f.codes, cfg.bits).double()  # [B, H, n, R, C]
     x = codes * f.row_scale.double().unsqueeze(-1) + f.row_zero.double().unsqueeze(-1)
     if f.col_scale is not None:
         x = x * f.col_scale.double().unsqueeze(-2)

@@ -62,6 +62,8 @@ def unsupported_cuda(query: torch.Tensor, keys: StoredKV, values: StoredKV, soft
     position: `fused_attention` checks that once the mask is known)."""
     if query.shape[2] != 1:
         return f"{query.shape[2]} queries per head (the Triton kernel has no causal mask yet)"
+    if keys.quantizer.config.widths:
+        return "keys have rows at their own widths (the Triton kernel reads one width a tile)"
     if query.dtype not in DTYPES:
         return f"query in {query.dtype}"
     exact = len(keys.exact_index) or len(values.exact_index)

@@ -54,8 +54,9 @@ class PackedTiles:
     """The packed tiles of one tensor kind (keys per channel or values per token) and how to address them.
 
     tiles: `AffineTiles` with fields codes [.., R, C*bits/8] uint8, row_scale [.., R], row_zero [.., R], col_scale
-    [.., C] (VarN only), rotated [..] uint8 (rotate="auto" only); strides[i] = (batch, head, block) strides in
-    elements of the i-th field of `AffineTiles` (absent fields: zeros)."""
+    [.., C] (VarN only), rotated [..] uint8 (rotate="auto" only), and for key rows at their own widths codes
+    [.., W*C/8] with row_widths [.., 3R/8] uint8 (`kvarn.ops.widths`); strides[i] = (batch, head, block) strides in
+    elements of the i-th field (absent fields: zeros)."""
 
     tiles: AffineTiles
     strides: tuple[tuple[int, int, int], ...]
@@ -87,15 +88,16 @@ class PackedTiles:
         for name in need:
             if name not in present:
                 raise ValueError(f"{what}: missing packed field {name!r}")
-        inner = {"codes": (rows, cols * self.bits // 8), "row_scale": (rows,), "row_zero": (rows,),
-                 "col_scale": (cols,), "rotated": ()}
+        widths = self.tiles.fmt.widths
+        inner = {"codes": (widths * cols // 8,) if widths else (rows, cols * self.bits // 8), "row_scale": (rows,),
+                 "row_zero": (rows,), "col_scale": (cols,), "rotated": (), "row_widths": (rows * 3 // 8,)}
         for name, t in self.tiles.items():
             shape = inner[name]
             k = len(shape)
             if k and (tuple(t.shape[-k:]) != shape or tuple(t.stride()[-k:]) != _contiguous_strides(shape)):
                 raise ValueError(f"{what}: field {name} must end in {shape}, contiguous within a tile; got shape "
                                  f"{tuple(t.shape)}, strides {t.stride()}")
-            if (t.dtype == torch.uint8) != (name in ("codes", "rotated")) or t.dtype not in (torch.uint8,
+            if (t.dtype == torch.uint8) != (name in ("codes", "rotated", "row_widths")) or t.dtype not in (torch.uint8,
                                                                                            *SCALE_DTYPES):
                 raise ValueError(f"{what}: field {name} has dtype {t.dtype} (codes and flags: uint8; scales: "
                                  f"{SCALE_DTYPES})")
@@ -104,14 +106,18 @@ class PackedTiles:
     def seat_args(self) -> tuple[list[torch.Tensor], list[int], int, int]:
         """The seat's arguments for these fields: tensors, strides, bits, rotation code (once per object: a page
         pool keeps its own, `LayerPool.tiles`)."""
-        t = self.tiles
-        tensors = [_EMPTY if v is None else v for v in (t.codes, t.row_scale, t.row_zero, t.col_scale, t.rotated)]
-        return tensors, [s for st in self.strides for s in st], self.bits, t.fmt.rotation
+        tensors = [_EMPTY if v is None else v for v in _seat_fields(self.tiles)]
+        return tensors, [s for st in self.strides for s in st], self.bits, self.tiles.fmt.rotation
+
+
+def _seat_fields(tiles: AffineTiles) -> tuple[torch.Tensor | None, ...]:
+    """The seat's fields in its order: codes, row scale, row zero, col scale, rotated[, row widths]."""
+    fields = (tiles.codes, tiles.row_scale, tiles.row_zero, tiles.col_scale, tiles.rotated)
+    return (*fields, tiles.row_widths) if tiles.row_widths is not None else fields
 
 
 def _strides(tiles: AffineTiles, of) -> tuple[tuple[int, int, int], ...]:
-    fields = (tiles.codes, tiles.row_scale, tiles.row_zero, tiles.col_scale, tiles.rotated)
-    return tuple((0, 0, 0) if v is None else of(v.stride()) for v in fields)
+    return tuple((0, 0, 0) if v is None else of(v.stride()) for v in _seat_fields(tiles))
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -26,9 +26,9 @@ Packed tiles of an `AffineQuantizer` (the KVarN family), with W~ the tile in the
 with q~ = q H on rotated tiles (per-tile flag for rotate="auto", computed once) and the value output rotated back,
 o = (sum over rotated tiles of o~) H + (sum over plain tiles of o~). Both products with H are dense matmuls with the
 matrix of `ops.hadamard` (only M = groups * L rows each, where one matmul is cheaper than the butterfly's stages).
-Codes are unpacked with `ops.unpack_codes` and everything is vectorized over batch, heads and tiles; tiles are
-processed in chunks of bounded size
-(`TILE_CHUNK_ELEMENTS` unpacked codes) so the full-precision K/V of the whole context is never materialized at once.
+Codes are unpacked with `kvarn.quant.affine.row_codes` and everything is vectorized over batch, heads and tiles;
+tiles are processed in chunks of bounded size (`TILE_CHUNK_ELEMENTS` unpacked codes) so the full-precision K/V of the
+whole context is never materialized at once.
 Tiles kept exact (non-finite input) have all-zero packed fields, so they contribute exactly 0 above; their logits
 are overwritten and their value contributions added from the exact copies.
 
@@ -53,8 +53,7 @@ from kvarn.attention import fused
 from kvarn.attention.handoff import attach_observer, attach_past, observe, past_of, take  # noqa: F401 (re-exported)
 from kvarn.attention.view import KVarNPast, StoredKV
 from kvarn.ops.hadamard import hadamard_dense
-from kvarn.ops.packing import unpack_codes
-from kvarn.quant.affine import AffineQuantizer, merge_refined
+from kvarn.quant.affine import AffineQuantizer, row_codes
 from kvarn.quant.tiles import AffineTiles
 
 TILE_CHUNK_ELEMENTS = 1 << 22  # unpacked codes (or decoded elements) per chunk of tiles
@@ -109,7 +108,7 @@ def _fields(view: StoredKV, first: int, last: int, cd: torch.dtype):
     flags [B, H, n] bool or None) of tiles [first, last), in the compute dtype."""
     f: AffineTiles = view.packed
     part = f.select((slice(None), slice(None), slice(first, last)))
-    codes, a = merge_refined(unpack_codes(part.codes, f.fmt.bits, dtype=cd), part.row_scale.to(cd), part)
+    codes, a = row_codes(part, cd)
     z = f.row_zero[:, :, first:last].to(cd)
     col = f.col_scale[:, :, first:last].to(cd) if f.col_scale is not None else None
     flag = f.rotated[:, :, first:last].bool() if f.rotated is not None else None

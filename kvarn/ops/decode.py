@@ -8,7 +8,8 @@ Per batch row b and KV head h, M query rows q (row j*L + l = query head h*groups
     paged_rows[n, h, r], at positions paged_pos ..: vLLM's fp slots read in place)
 
 Fields are read through (batch, head, block) element strides: field (b, h, j) starts at b*s_b + h*s_h +
-block_table[b, j]*s_n (the tile's own axes contiguous). A key tile (codes [D, G], rows = channels) stored as
+block_table[b, j]*s_n (the tile's own axes contiguous); a sixth key field, row widths, holds key rows at their own
+widths (codes [W G / 8] per tile, `kvarn.ops.widths.unpack_rows`). A key tile (codes [D, G], rows = channels) stored as
 K~[g, d] = (code[d, g] a_d + z_d) t_g, a value tile (codes [G, D], rows = tokens) as V~[g, d] = (code[g, d] a_g +
 z_g) c_d, each in its basis (rotate 0: plain, 1: rotated, 2: the tile's flag). Then, with q~ = qh on rotated key
 tiles and q elsewhere, and exact tiles (exact_map[b, h, j] >= 0) read plain from exact_k / exact_v:
@@ -29,8 +30,9 @@ from __future__ import annotations
 import torch
 
 from kvarn.ops.packing import packed_size, unpack_codes
+from kvarn.ops.widths import unpack_rows, unpack_widths
 
-_FIELDS = 5  # codes, row_scale, row_zero, col_scale, rotated (kvarn.quant.tiles.AffineTiles order)
+_FIELDS = 5  # codes, row_scale, row_zero, col_scale, rotated (kvarn.quant.tiles.AffineTiles order), [row widths]
 
 
 def _gather(fields: list[torch.Tensor], strides: list[int], table: torch.Tensor, h: int, rows: int, cols: int,
@@ -39,9 +41,11 @@ def _gather(fields: list[torch.Tensor], strides: list[int], table: torch.Tensor,
     flag [B, H, n] bool or None."""
     b, n = table.shape
     cap = int(table.max()) + 1 if table.numel() else 1
-    inner = [(rows, packed_size(cols, bits)), (rows,), (rows,), (cols,), ()]
+    widths = len(fields) > _FIELDS
+    inner = [(fields[0].shape[-1],) if widths else (rows, packed_size(cols, bits)), (rows,), (rows,), (cols,), (),
+             (packed_size(rows, 3),)]
     out = []
-    for i in range(_FIELDS):
+    for i in range(len(fields)):
         t = fields[i]
         if not t.numel():
             out.append(None)
@@ -51,7 +55,8 @@ def _gather(fields: list[torch.Tensor], strides: list[int], table: torch.Tensor,
         tail = (shape[1], 1) if len(shape) == 2 else (1,) if shape else ()
         view = t.as_strided((b, h, cap, *shape), (sb, sh, sn, *tail), t.storage_offset())
         out.append(view[torch.arange(b).view(b, 1, 1), torch.arange(h).view(1, h, 1), table.long().view(b, 1, n)])
-    codes = unpack_codes(out[0], bits).float()
+    codes = unpack_rows(out[0], unpack_widths(out[5]), cols, torch.float32) if widths else \
+        unpack_codes(out[0], bits).float()
     return codes, out[1].float(), out[2].float(), None if out[3] is None else out[3].float(), \
         None if out[4] is None else out[4].bool()
 

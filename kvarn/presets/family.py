@@ -8,6 +8,9 @@ orientation, same tiles), `hadamard` (rotation only), `varn` (normalization only
 and pick "rank"), within an average of `bits` per element at head_dim 128. A `-qar` suffix (kvarn-auto and the
 budget family) rounds every key tile query-aware (`kvarn.quant.affine.QueryAwareQuantizer`: codes that minimise the
 logit error e^T Sigma e under the running E[q q^T] of the tile's KV head; same tiles, same bytes).
+The width family `kvarn-w{bits}` (issue 20) is `kvarn-auto-k2v2-g128-qar-clip` whose key tiles spread their
+code bits over the channels, 0-4 bits each, by the running query energy (`AffineConfig.widths`, `kvarn.ops.widths`),
+the most bits with an average of `bits` per element at head_dim 128.
 `PRESETS` lists them as (name, factory, aliases); the registry (`kvarn.presets.registry`) registers them beside the
 baselines' (`kvarn.quant.baselines`).
 """
@@ -158,6 +161,40 @@ def channel_budget_preset(bits: float, tile: int = 128, rounding: str = "nearest
         params={**p.params, "budget": bits, "budget_head_dim": d})
 
 
+def widths_preset(bits: float | None = None, tile: int = 128, name: str | None = None,
+                  mean: float | None = None) -> Preset:
+    """`kvarn-w{bits}`: `kvarn-auto-k2v2-g{tile}-qar-clip` with each key tile's channels at 0-4 bits (`AffineConfig.
+    widths`), the mean width the largest multiple of 1 / 128 with (k + v) / 2 <= bits at head_dim 128, stored bytes
+    counted (the widths 3 bits a channel); or the mean width itself (`mean`, a lab variant of no budget)."""
+    base = affine_preset("kvarn-auto", 2, 2, tile, f"kvarn-auto-k2v2-g{tile}-qar-clip", rounding="query-aware",
+                         clip=(CLIP_2BIT, CLIP_2BIT))
+    col, d = base.key(0).config.col_scale_dtype, BUDGET_HEAD_DIM
+
+    def build(m: float) -> Preset:
+        def key(_: int) -> TileQuantizer:
+            return QueryAwareQuantizer(AffineConfig(4, "channel", "auto", True, tile=tile, col_scale_dtype=col,
+                                                    widths=m))
+
+        return dataclasses.replace(base, key=key, k_bits=m)
+
+    def average(p: Preset) -> float:
+        return sum(q.bits_per_element(d) for q in p.quantizers(d)) / 2
+
+    if (bits is None) == (mean is None):
+        raise ValueError("give a budget (bits) or a mean key width (mean), not both")
+    if mean is None:
+        mean = max((t / d for t in range(1, 4 * d + 1) if average(build(t / d)) <= bits), default=None)
+        if mean is None:
+            raise ValueError(f"no key widths fit {bits} bits/element at head_dim {d}")
+    p = build(mean)
+    params = {**base.params, "key_widths": mean, **({"budget": bits, "budget_head_dim": d} if bits else {})}
+    desc = (f"key channels at 0-4 bits each, {mean:g} on average a tile, spread by the running query energy"
+            + (f" (<= {bits} bits/element at head_dim {d})" if bits else "") + f"; otherwise {base.name}: "
+            + base.description)
+    return dataclasses.replace(p, name=name or (f"kvarn-w{bits}" if bits else f"kvarn-w{mean:g}-qar"),
+                               description=desc, family="kvarn-widths", params=params)
+
+
 def _entries() -> tuple[Entry, ...]:
     out: list[Entry] = []
     for fam in FAMILIES:
@@ -184,6 +221,8 @@ def _entries() -> tuple[Entry, ...]:
     for b in BUDGETS:
         out.append((f"kvarn-b{b}", lambda b=b: budget_preset(b, pick="best"), ()))
         out.append((f"kvarn-b{b}-qar", lambda b=b: budget_preset(b, pick="best", rounding="query-aware"), ()))
+    for b in BUDGETS:
+        out.append((f"kvarn-w{b}", lambda b=b: widths_preset(b), ()))
     out.append(("fp16", lambda: Preset("fp16", "no quantization (the reference)", None, None, family="fp16"), ()))
     return tuple(out)
 

@@ -19,6 +19,11 @@ the row's step at `bits`; `refined_rows`), are rounded at bits + 2 on their own 
 1)); the code c = 4 q + e is stored as q in `codes` and e in `refine_codes`, with a_r = 4 a'_r, so
 X^[r, c] = ((4 q + e) a_r / 4 + z_r) t_c (`merge_refined`). Query-aware rounding rounds the refined rows on their
 finer grid within the same error feedback.
+
+Row widths (keys, `AffineConfig.widths` = m > 0; issue 20): each channel of a tile at 0..4 bits, round(m D) bits a
+column in all, the widths that minimise the tile's query-weighted error (`kvarn.ops.widths`: w_r = E[q_r^2] in the plain
+basis, 1 in the rotated one), every row on the grid of its own width (`bits` = 4 is the widest); a width-0 row keeps
+its mean. Query-aware rounding rounds every row on its own grid.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from kvarn.ops.packing import pack_codes, packed_size, unpack_codes
 from kvarn.ops.rtn import check_bits, check_clip, query_aware_bases, query_aware_round, rtn_quantize, rtn_targets
 from kvarn.ops.seats import Seat, supported
 from kvarn.ops.varn import DEFAULT_ITERS, varn
+from kvarn.ops.widths import MAX_WIDTH, pack_rows, pack_widths, unpack_rows, unpack_widths, width_targets
 from kvarn.quant.base import TileQuantizer, check_tiles
 from kvarn.quant.policy import DEFAULT_POLICY, RotationPolicy, get_policy, kernel_weighted
 from kvarn.quant.tiles import REFINE_BITS, AffineFormat, AffineTiles
@@ -93,6 +99,15 @@ def merge_refined(q: torch.Tensor, a: torch.Tensor, p: AffineTiles) -> tuple[tor
             a.scatter(-1, idx, a.gather(-1, idx) / scale))
 
 
+def row_codes(p: AffineTiles, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes q [..., R, C] and row steps a [..., R] of tiles p in `dtype`, whatever the codes' layout: one width,
+    refined rows merged (`merge_refined`) or rows at their own widths (`kvarn.ops.widths.unpack_rows`)."""
+    f = p.fmt
+    if f.widths:
+        return unpack_rows(p.codes, unpack_widths(p.row_widths), f.cols, dtype), p.row_scale.to(dtype)
+    return merge_refined(unpack_codes(p.codes, f.bits, dtype=dtype), p.row_scale.to(dtype), p)
+
+
 def refined_rows(step: torch.Tensor, weight: torch.Tensor | None, k: int) -> torch.Tensor:
     """The k rows [N, k] (ascending) of each tile to refine: the largest w_r a_r^2 (a [N, R] the rows' steps, w [N, R]
     the query energy in the rows' basis, None: 1), ties to the lower row; non-finite scores count as 0."""
@@ -104,7 +119,7 @@ def refined_rows(step: torch.Tensor, weight: torch.Tensor | None, k: int) -> tor
 
 def decode_rows(p: AffineTiles, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """X^[r, c] = (q[r, c] a_r + z_r) t_c in float32 (or `dtype`), rows x cols of each tile (module docstring)."""
-    q, a = merge_refined(unpack_codes(p.codes, p.fmt.bits).to(dtype), p.row_scale.to(dtype), p)
+    q, a = row_codes(p, dtype)
     x = q * a.unsqueeze(-1) + p.row_zero.to(dtype).unsqueeze(-1)
     col = p.col_scale
     return x * col.to(dtype).unsqueeze(-2) if col is not None else x
@@ -183,6 +198,7 @@ class AffineConfig:
     col_scale_dtype: torch.dtype | None = None  # VarN column scales; None: scale_dtype (see relative_col_scales)
     refine: float = 0.0  # keys: the share of a tile's channels at bits + 2 (floor(refine * D) rows; module docstring)
     clip: float = 1.0  # the share of each row's range its grid spans (`kvarn.ops.rtn`); encode only, same fields
+    widths: float = 0.0  # keys: the mean bits of a tile's channels at 0..bits each (module docstring); 0: one width
 
 
 class AffineQuantizer(TileQuantizer):
@@ -201,13 +217,19 @@ class AffineQuantizer(TileQuantizer):
                              f"{config.refine!r} on axis {config.axis!r}")
         if config.refine:
             check_bits(config.bits + REFINE_BITS)  # the refined rows' width must be one the packing supports
+        if config.widths and (config.axis != "channel" or config.bits != MAX_WIDTH or config.refine
+                              or not 0 < config.widths <= MAX_WIDTH):
+            raise ValueError(f"row widths are a key tile's mean channel bits in (0, {MAX_WIDTH}] with bits="
+                             f"{MAX_WIDTH} (the widest row), axis 'channel' and no refined rows; got widths "
+                             f"{config.widths!r}, bits {config.bits}, axis {config.axis!r}, refine {config.refine!r}")
         check_clip(config.clip)
         self.config = config
         self.tile = config.tile
         self.policy = get_policy(policy)  # rotate="auto" only: kvarn.quant.policy
         parts = ["rot" if config.rotate == "hadamard" else config.rotate if config.rotate == "auto" else "",
                  "varn" if config.varn else "", f"rtn{config.bits}",
-                 f"r{config.refine:g}" if config.refine else "", f"clip{config.clip:g}" if config.clip < 1 else "",
+                 f"r{config.refine:g}" if config.refine else "", f"w{config.widths:g}" if config.widths else "",
+                 f"clip{config.clip:g}" if config.clip < 1 else "",
                  config.axis]
         self.name = "-".join(p for p in parts if p)
         self._formats: dict[int, AffineFormat] = {}
@@ -219,7 +241,8 @@ class AffineQuantizer(TileQuantizer):
             c = self.config
             f = self._formats[head_dim] = AffineFormat(
                 c.bits, c.axis, c.rotate, c.tile, head_dim, c.scale_dtype, zero_dtype(c.scale_dtype),
-                (c.col_scale_dtype or c.scale_dtype) if c.varn else None, self.refine_count(head_dim))
+                (c.col_scale_dtype or c.scale_dtype) if c.varn else None, self.refine_count(head_dim),
+                round(c.widths * head_dim))
         return f
 
     def refine_count(self, head_dim: int) -> int:
@@ -261,9 +284,14 @@ class AffineQuantizer(TileQuantizer):
     def _tiles(self, q: torch.Tensor, delta: torch.Tensor, lo: torch.Tensor, s_col: torch.Tensor | None,
                fmt: AffineFormat, refined: torch.Tensor | None = None) -> AffineTiles:
         """The stored fields; refined [N, k]: rows whose codes q hold bits + REFINE_BITS (split into the two planes,
-        their row scale delta times 2^REFINE_BITS)."""
+        their row scale delta times 2^REFINE_BITS); with row widths (fmt.widths), refined [N, R] is the widths."""
         c = self.config
         extra = {}
+        if fmt.widths:
+            return AffineTiles(pack_rows(q, refined, fmt.widths), store_scale(delta, c.scale_dtype),
+                               store_scale(lo, zero_dtype(c.scale_dtype)),
+                               store_scale(s_col, c.col_scale_dtype or c.scale_dtype) if s_col is not None else None,
+                               fmt=fmt, row_widths=pack_widths(refined))
         if refined is not None:
             rows = refined.unsqueeze(-1).expand(-1, -1, q.shape[-1])
             fine = q.gather(1, rows)
@@ -276,11 +304,20 @@ class AffineQuantizer(TileQuantizer):
                            store_scale(s_col, c.col_scale_dtype or c.scale_dtype) if s_col is not None else None,
                            fmt=fmt, **extra)
 
-    def _targets(self, b: torch.Tensor, s_row: torch.Tensor | None, fmt: AffineFormat, weight: torch.Tensor | None
+    def _targets(self, b: torch.Tensor, s_col: torch.Tensor | None, s_row: torch.Tensor | None, fmt: AffineFormat,
+                 weight: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """RTN's unrounded codes u [N, R, C], delta and lo [N, R, 1] of the balanced rows b, the largest code per
         row levels [N, R, 1], and the refined rows [N, k] (None without): those rows on the grid of bits +
-        REFINE_BITS (module docstring)."""
+        REFINE_BITS; with row widths, each row on the grid of its width and the widths [N, R] last (module
+        docstring)."""
+        if fmt.widths:
+            ones = b.new_ones(())
+            u, delta, lo, levels, widths = width_targets(
+                b, ones.expand(b.shape[:-2] + b.shape[-1:]) if s_col is None else s_col,
+                ones.expand(b.shape[:-1]) if s_row is None else s_row,
+                None if weight is None else weight.float(), fmt.widths)
+            return u, delta, lo, levels[..., None], widths
         bits, clip = self.config.bits, self.config.clip
         u, delta, lo = rtn_targets(b, bits, clip)
         levels = torch.full_like(delta, (1 << bits) - 1)
@@ -298,10 +335,10 @@ class AffineQuantizer(TileQuantizer):
     def _encode_rows(self, x: torch.Tensor, fmt: AffineFormat, weight: torch.Tensor | None = None) -> AffineTiles:
         """Rows x [N, R, C] encoded; weight [N, R]: the query energy of refined-row selection (None: 1)."""
         b, s_col, s_row = self._normalized(x)
-        if not fmt.refine:
+        if not fmt.refine and not fmt.widths:
             q, delta, lo = rtn_quantize(b, self.config.bits, self.config.clip)
             return self._tiles(q, *self._row_steps(delta, lo, s_row), s_col, fmt)
-        u, delta, lo, levels, rows = self._targets(b, s_row, fmt, weight)
+        u, delta, lo, levels, rows = self._targets(b, s_col, s_row, fmt, weight)
         q = torch.minimum(torch.round(u).clamp_(min=0), levels).to(torch.uint8)
         return self._tiles(q, *self._row_steps(delta, lo, s_row), s_col, fmt, rows)
 
@@ -369,6 +406,8 @@ class AffineQuantizer(TileQuantizer):
         def why() -> str | None:
             if c.refine:
                 return "refined channels (refine > 0) have no store kernel yet"
+            if c.widths:
+                return "row widths (widths > 0) have no store kernel yet"
             return supported("tile_store", x.device, x, c.bits, c.axis == "channel", c.varn, c.varn_iters,
                              c.scale_dtype, self.format(x.shape[2]).col_dtype,
                              c.rotate != "auto" or kernel_weighted(self.policy) is not None,
@@ -412,7 +451,8 @@ class AffineQuantizer(TileQuantizer):
         return {"name": self.name, "tile": c.tile, "bits": c.bits, "axis": c.axis, "rotate": c.rotate,
                 "varn": c.varn, "varn_iters": c.varn_iters, "scale_dtype": str(c.scale_dtype).removeprefix("torch."),
                 **({"col_scale_dtype": str(c.col_scale_dtype).removeprefix("torch.")} if c.col_scale_dtype else {}),
-                **({"refine": c.refine, "refine_bits": c.bits + REFINE_BITS} if c.refine else {})}
+                **({"refine": c.refine, "refine_bits": c.bits + REFINE_BITS} if c.refine else {}),
+                **({"widths": c.widths} if c.widths else {})}
 
 
 class QueryAwareQuantizer(AffineQuantizer):
@@ -475,7 +515,7 @@ class QueryAwareQuantizer(AffineQuantizer):
                         weight: torch.Tensor | None = None) -> AffineTiles:
         """`_encode_rows` with the codes rounded with coefficients coef [N, D, D]; weight: as `_encode_rows`."""
         b, s_col, s_row = self._normalized(x)
-        u, delta, lo, levels, rows = self._targets(b, s_row, fmt, weight)
+        u, delta, lo, levels, rows = self._targets(b, s_col, s_row, fmt, weight)
         delta, lo = self._row_steps(delta, lo, s_row)
         codes = query_aware_round(u, coef, delta, self.config.bits, None if rows is None else levels.squeeze(-1))
         return self._tiles(codes, delta, lo, s_col, fmt, rows)

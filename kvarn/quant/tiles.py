@@ -24,6 +24,7 @@ import torch
 
 from kvarn.ops.codes import Rotation
 from kvarn.ops.packing import packed_size
+from kvarn.ops.widths import MAX_WIDTH, WIDTH_BITS
 
 T = TypeVar("T", bound="Tiles")
 REFINE_BITS = 2  # the bits a refined row of an AffineFormat adds to its codes
@@ -176,8 +177,12 @@ class AffineFormat:
         rotated   []  uint8                (rotate="auto" only)
         refine_rows  [k] uint8             (refine = k > 0, keys only: the rows whose codes carry 2 more bits)
         refine_codes [k, packed_size(C, 2)] uint8   those rows' 2 low bits; `codes` holds their high bits
+        row_widths   [3 R / 8] uint8       (widths = W > 0, keys only: each row's width in 0..bits, 3 bits a row)
     A refined row r of codes q (high) and e (low) decodes as ((4 q + e) a_r / 4 + z_r) t_c: its row scale is 4x its
     step, so the `codes` plane alone reads it at `bits` bits (`kvarn.quant.affine.merge_refined`).
+    With row widths (W bits of codes a column, spread over the rows), `codes` is [W C / 8]: each row's codes packed at
+    its own width, the rows grouped by width, widest first (`kvarn.ops.widths.pack_rows`); a width-0 row decodes as
+    z_r t_c.
     """
 
     bits: int
@@ -189,11 +194,18 @@ class AffineFormat:
     zero_dtype: torch.dtype
     col_dtype: torch.dtype | None  # None: no column scales (VarN off)
     refine: int = 0  # rows per tile whose codes carry REFINE_BITS more bits (keys only)
+    widths: int = 0  # row widths: the bits of codes a column holds, spread over the rows at 0..bits each (keys only)
 
     def __post_init__(self) -> None:
         if self.refine and (self.axis != "channel" or not 0 < self.refine <= min(self.head_dim, 256)):
             raise ValueError(f"refined rows are key channels (axis 'channel'), at most min(head_dim, 256) of them; "
                              f"got {self.refine} rows, axis {self.axis!r}, head_dim {self.head_dim}")
+        if self.widths and (self.axis != "channel" or self.refine or self.bits != MAX_WIDTH or self.head_dim % 8
+                            or self.tile % 8 or not 0 < self.widths <= MAX_WIDTH * self.head_dim):
+            raise ValueError(f"row widths are for key channels (axis 'channel', head_dim and tile multiples of 8, "
+                             f"bits {MAX_WIDTH}, no refined rows), 1..{MAX_WIDTH} x head_dim bits of them; got "
+                             f"{self.widths} bits, axis {self.axis!r}, bits {self.bits}, head_dim {self.head_dim}, "
+                             f"tile {self.tile}, refine {self.refine}")
 
     @property
     def rows(self) -> int:
@@ -210,7 +222,8 @@ class AffineFormat:
     @property
     def fields(self) -> tuple[FieldSpec, ...]:
         r, c = self.rows, self.cols
-        out = [FieldSpec("codes", (r, packed_size(c, self.bits)), torch.uint8),
+        codes = (self.widths * c // 8,) if self.widths else (r, packed_size(c, self.bits))
+        out = [FieldSpec("codes", codes, torch.uint8),
                FieldSpec("row_scale", (r,), self.scale_dtype), FieldSpec("row_zero", (r,), self.zero_dtype)]
         if self.col_dtype is not None:
             out.append(FieldSpec("col_scale", (c,), self.col_dtype))
@@ -219,6 +232,8 @@ class AffineFormat:
         if self.refine:
             out += [FieldSpec("refine_rows", (self.refine,), torch.uint8),
                     FieldSpec("refine_codes", (self.refine, packed_size(c, REFINE_BITS)), torch.uint8)]
+        if self.widths:
+            out.append(FieldSpec("row_widths", (packed_size(r, WIDTH_BITS),), torch.uint8))
         return tuple(out)
 
     @property
@@ -254,6 +269,7 @@ class AffineTiles(Tiles):
     rotated: torch.Tensor | None = None
     refine_rows: torch.Tensor | None = None
     refine_codes: torch.Tensor | None = None
+    row_widths: torch.Tensor | None = None
     fmt: AffineFormat = param()  # noqa: RUF009 (a dataclasses.field with metadata)
 
     @classmethod

@@ -75,11 +75,14 @@ def check_kernel(q, kn, vn, past, ok, scaling=None, softcap=None, mask=None) -> 
 CASES = [("kvarn-k2v2-g64", d) for d in (64, 96, 128, 256)] + \
     [("kvarn-auto-k4v2-g64", d) for d in (64, 96, 256)] + \
     [("rtn-k2v2-g64", 64), ("rtn-k2v2-g64", 36), ("varn-k4v4-g128", 128), ("kvarn-k2v2-g128-fp8", 128),
-     ("kvarn-k4v4-g64", 96)]  # 36: dense-row dot products with a scalar tail, value code rows of 9 bytes (scalar path)
+     ("kvarn-k4v4-g64", 96)] + \
+    [("kvarn-w2.5", d) for d in (64, 128)]
+# 36: dense-row dot products with a scalar tail, value code rows of 9 bytes (scalar path); kvarn-w2.5: key rows at
+# their own widths (1-4 bits, G = 128)
 
 
 @pytest.mark.parametrize("preset,d", CASES)
-def test_kernel_matches_oracle(preset, d, seed):
+def test_kernel_matches_oracle(preset, d, seed, monkeypatch):
     """GQA ratios 1, 3, 4 over one past of 3 batch rows (row 1 padded inside the sink, row 2 into the first tile),
     heavy-tailed K/V; a decode step and a causal chunk of 3 queries."""
     gen = torch.Generator().manual_seed(seed)
@@ -87,7 +90,10 @@ def test_kernel_matches_oracle(preset, d, seed):
     g = get_preset(preset).tile
     t = 16 + 3 * g + int(torch.randint(1, g, (1,), generator=gen))  # sink, 3 tiles, a partial tail
     k, v = make_inputs("heavy", b, hkv, t, d, gen), make_inputs("gauss", b, hkv, t, d, gen)
-    past = build_past(preset, k, v, sink=16)
+    with monkeypatch.context() as m:
+        if get_preset(preset).key(d).config.widths:
+            m.setenv("KVARN_KERNEL", "auto")  # row widths have no store kernel: the reference stores them
+        past = build_past(preset, k, v, sink=16)
     assert past.keys.n_tiles == 3
     for groups in (1, 3, 4):
         for length in (1, 3):

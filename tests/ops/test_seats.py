@@ -132,7 +132,8 @@ def _decode_args(preset: str, monkeypatch, seed: int, length: int = 1, bias: boo
 @needs_kernel
 @pytest.mark.parametrize("preset,length,bias,softcap", [("kvarn-k2v2-g64", 1, False, None),
                                                         ("kvarn-auto-k2v2-g64", 1, False, None),
-                                                        ("kvarn-k4v2-g64", 3, True, 30.0)])
+                                                        ("kvarn-k4v2-g64", 3, True, 30.0),
+                                                        ("kvarn-w2.5", 1, False, None)])  # keys at row widths
 def test_packed_decode_opcheck_and_reference(preset, length, bias, softcap, monkeypatch, seed):
     """opcheck on the CPU kernel; the default (kvarn.ops.decode) agrees with the kernel to float32 rounding of the
     different summation order (softmax over ~220 keys of O(1) logits: 1e-5 of the output scale)."""

@@ -115,6 +115,8 @@ def triton_unsupported(pool: LayerPool) -> str | None:
     why = fused.unsupported_quantizers(lay.key_q, lay.value_q)
     if why is not None:
         return why
+    if lay.key_q.config.widths:
+        return "key rows at their own widths (the Triton kernels read one width a tile)"
     from kvarn.kernels.triton.ops import SUPPORTED_BITS
 
     if lay.key_q.config.bits not in SUPPORTED_BITS or lay.value_q.config.bits not in SUPPORTED_BITS:

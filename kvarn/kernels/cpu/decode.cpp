@@ -269,8 +269,8 @@ Field make_field(const at::Tensor& t, const std::vector<int64_t>& strides, int w
   return f;
 }
 
-struct Kind {  // packed fields of keys or values: codes, row scale, row zero, col scale, rotated flag
-  Field codes, a, z, col, rot;
+struct Kind {  // packed fields of keys or values: codes, row scale, row zero, col scale, rotated flag[, row widths]
+  Field codes, a, z, col, rot, wid;
   int bits, rotate;  // rotate: 0 none, 1 hadamard, 2 per-tile flag
   bool rotated(int64_t b, int64_t h, int64_t blk) const {
     return rotate == 1 || (rotate == 2 && *reinterpret_cast<const uint8_t*>(rot.at(b, h, blk)) != 0);
@@ -278,13 +278,15 @@ struct Kind {  // packed fields of keys or values: codes, row scale, row zero, c
 };
 
 Kind make_kind(const std::vector<at::Tensor>& f, const std::vector<int64_t>& s, int64_t bits, int64_t rotate) {
-  TORCH_CHECK(f.size() == 5 && s.size() == 15, "kvarn decode: 5 packed fields and 15 strides per kind");
+  TORCH_CHECK((f.size() == 5 || f.size() == 6) && s.size() == 3 * f.size(),
+              "kvarn decode: 5 packed fields (6 with row widths) and 3 strides each per kind");
   Kind k;
   k.codes = make_field(f[0], s, 0);
   k.a = make_field(f[1], s, 1);
   k.z = make_field(f[2], s, 2);
   k.col = make_field(f[3], s, 3);
   k.rot = make_field(f[4], s, 4);
+  if (f.size() == 6) k.wid = make_field(f[5], s, 5);
   k.bits = static_cast<int>(bits);
   k.rotate = static_cast<int>(rotate);
   TORCH_CHECK(k.rotate != 2 || k.rot.present(), "kvarn decode: rotate='auto' needs the rotated flags");
@@ -673,10 +675,41 @@ void matmul_h(const float* x, const float* hm, int64_t M, int64_t D, float* out)
 
 // One packed tile: keys per channel (codes [D][G]), values per token (codes [G][D]).
 struct Scratch {
-  std::vector<float> s, w, t, a, z, col, pz;
+  std::vector<float> s, w, t, a, z, col, pz, ws, s2;  // ws, s2: rows of one width (key tiles with row widths)
+  std::vector<uint8_t> width;
+  std::vector<int> rows;
   Scratch(int M, int D, int G, int ss) : s(M * ss), w(M * std::max(D, G)), t(M * D), a(std::max(D, G)),
                                          z(std::max(D, G)), col(std::max(D, G)), pz(M) {}
 };
+
+// s [M][G] = w [M][D] @ codes of a key tile whose rows have their own widths (kvarn/ops/widths.py): rows grouped by
+// width, widest first, each group a [n, G * width / 8] block of the plane layout; width-0 rows add nothing.
+void codes_mm_widths(const uint8_t* codes, const uint8_t* widths, int D, int G, const float* w, int M, float* s,
+                     int ss, Scratch& sc) {
+  sc.width.resize(D);
+  sc.rows.resize(D);
+  sc.ws.resize(static_cast<size_t>(M) * D);
+  sc.s2.resize(static_cast<size_t>(M) * ss);
+  unpack3(widths, 1, D, sc.width.data());
+  bool first = true;
+  for (int width = 4; width >= 1; --width) {
+    int n = 0;
+    for (int r = 0; r < D; ++r)
+      if (sc.width[r] == width) sc.rows[n++] = r;
+    if (n == 0) continue;
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < n; ++i) sc.ws[m * n + i] = w[m * D + sc.rows[i]];
+    float* out = first ? s : sc.s2.data();
+    codes_mm(width, codes, n, G, sc.ws.data(), n, M, out, ss);
+    if (!first)
+      for (int m = 0; m < M; ++m)
+        for (int g = 0; g < G; ++g) s[m * ss + g] += out[m * ss + g];
+    first = false;
+    codes += static_cast<size_t>(n) * G * width / 8;
+  }
+  if (first)
+    for (int m = 0; m < M; ++m) std::fill(s + m * ss, s + m * ss + G, 0.f);
+}
 
 // The per-row scale a and zero z of a tile folded into the left operand of its code matmul, for M rows x of length
 // n (leading dimension ldx): w[m, i] = x[m, i] a[i] and zsum[m] = sum_i x[m, i] z[i] (the zero's whole contribution).
@@ -705,7 +738,11 @@ void packed_tile(const Job& J, int64_t b, int64_t h, int64_t blk, State& st, Scr
   K.z.floats(b, h, blk, D, sc.z.data());
   std::vector<float>& c0 = sc.t;  // M values, reused
   fold_rows(q, D, sc.a.data(), sc.z.data(), M, D, sc.w.data(), c0.data());
-  codes_mm(K.bits, reinterpret_cast<const uint8_t*>(K.codes.at(b, h, blk)), D, G, sc.w.data(), D, M, s, ss);
+  if (K.wid.present())
+    codes_mm_widths(reinterpret_cast<const uint8_t*>(K.codes.at(b, h, blk)),
+                    reinterpret_cast<const uint8_t*>(K.wid.at(b, h, blk)), D, G, sc.w.data(), M, s, ss, sc);
+  else
+    codes_mm(K.bits, reinterpret_cast<const uint8_t*>(K.codes.at(b, h, blk)), D, G, sc.w.data(), D, M, s, ss);
   if (K.col.present()) K.col.floats(b, h, blk, G, sc.col.data());
   for (int m = 0; m < M; ++m) {
     float* row = s + m * ss;

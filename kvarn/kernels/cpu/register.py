@@ -36,12 +36,14 @@ def _tile_decode(codes, row_scale, row_zero, col_scale, rotated, bits, channel, 
 
 
 def _decode_support(tiles) -> str | None:
-    """Why the C++ tile decode cannot serve these `AffineTiles` (None: it can): CPU fields without refined rows, the
+    """Why the C++ tile decode cannot serve these `AffineTiles` (None: it can): CPU fields of one code width, the
     extension built."""
     if tiles.codes.device.type != "cpu":
         return f"tiles on {tiles.codes.device.type}"
     if tiles.refine_rows is not None:
         return "refined rows"
+    if tiles.row_widths is not None:
+        return "rows at their own widths"
     return _extension_support()
 
 

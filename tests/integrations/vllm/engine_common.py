@@ -13,6 +13,8 @@ Every vLLM engine start costs about a minute on 2 cores, so each configuration r
     auto-qar-clip  the same with clipped 2-bit grids (`AUTO_QAR_CLIP`; the same slow test)
     budget     the budget preset `BUDGET` (kvarn-b2.5-qar: key widths per layer, one allocation per engine), the same
                job (test_engine_auto.py)
+    widths     the width preset `WIDTHS` (kvarn-w2.5: each key channel at its own width; a slow test of
+               test_engine_auto.py)
     (k4v2 runs as the OpenAI server, `start_server` through the session fixture `server` of conftest.py, shared by
     test_engine_server.py and test_engine_load.py; the TP runs on a tiny model, test_engine_tp.py)
 
@@ -50,6 +52,7 @@ AUTO = "kvarn-auto-k2v2-g128"  # kvarn's default preset
 AUTO_QAR = AUTO + "-qar"  # its keys rounded query-aware (issue 20)
 AUTO_QAR_CLIP = AUTO_QAR + "-clip"  # ... and its 2-bit grids clipped (issue 20)
 BUDGET = "kvarn-b2.5-qar"  # the budget preset closest to full precision on the task suite (issue 20)
+WIDTHS = "kvarn-w2.5"  # key channels at their own widths within 2.5 bits (issue 20)
 MAX_NEW = 32
 LENGTHS = (150, 300, 400, 520)  # prompt tokens: the first stays within sink + one block, the others cross blocks
 KV_GIB = 1
@@ -171,8 +174,9 @@ def engine(name: str) -> Run:
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()}, {"VLLM_PLUGINS": ""})
         elif name == "stock":
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs()})
-        elif name in ("auto", "auto-qar", "auto-qar-clip", "budget"):
-            preset = {"auto": AUTO, "auto-qar": AUTO_QAR, "auto-qar-clip": AUTO_QAR_CLIP, "budget": BUDGET}[name]
+        elif name in ("auto", "auto-qar", "auto-qar-clip", "budget", "widths"):
+            preset = {"auto": AUTO, "auto-qar": AUTO_QAR, "auto-qar-clip": AUTO_QAR_CLIP, "budget": BUDGET,
+                      "widths": WIDTHS}[name]
             _RUNS[name] = run_llm(name, {**job, "llm": llm_kwargs(kvarn(preset))})
         else:
             raise KeyError(name)

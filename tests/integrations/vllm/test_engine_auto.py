@@ -26,6 +26,7 @@ from .engine_common import (  # skips this module where vLLM is not installed
     KV_GIB,
     LENGTHS,
     MAX_NEW,
+    WIDTHS,
     agreement,
     capacity,
     engine,
@@ -121,6 +122,40 @@ def test_budget_preset_agrees_and_its_pages_hold_its_bytes() -> None:
     decided = next(line for line in run.log.splitlines() if "key widths decided" in line)
     record("budget_key_widths", {BUDGET: decided.split("key widths decided, ", 1)[1]})
     assert hf >= MIN_BUDGET_AGREEMENT, hf
+
+
+@pytest.mark.slow
+def test_widths_preset_agrees_and_its_pages_hold_its_bytes() -> None:
+    """kvarn-w2.5 (each key channel at its own width, chosen per tile from the engine's running query statistics; the
+    store in PyTorch, the decode in the C++ kernel): the same teacher-forced agreement with kvarn's transformers cache
+    as the default preset, and vLLM's KV capacity is what its pages cost (`layout.choose_pool`), below the default's
+    by their bytes. Slow: one more engine start."""
+    import torch
+
+    from kvarn.integrations.vllm.layout import TileLayout, choose_pool, num_blocks_in
+    from kvarn.integrations.vllm.pool import fp_slots_for
+    from kvarn.presets import get_preset
+
+    run = engine("widths")
+    assert f"kvarn: preset {WIDTHS}" in run.log
+    toks = run.out["tokens"]
+    assert all(len(t) == MAX_NEW for t in toks)
+    seqs = [p + t for p, t in zip(prompts(), toks)]
+    hf = agreement(transformers_top1(seqs, WIDTHS), toks)
+    stock = engine("stock")
+    record("top1_agreement_transformers_vs_vllm", {WIDTHS: round(hf, 4)})
+    record("free_running_same_position_vs_stock_vllm", {WIDTHS: round(agreement(toks, stock.out["tokens"]), 4)})
+    preset = get_preset(WIDTHS)
+    lay = TileLayout(preset, 64, getattr(torch, DTYPE))
+    budget = KV_GIB * 2**30
+    geo, held = choose_pool(lay, 3, 30, budget, 8, lambda n: fp_slots_for(preset.policy.sink // lay.tile, n))
+    predicted = num_blocks_in(geo, 30, budget) * lay.tile
+    reported = capacity(run.log)
+    assert held == 8 and abs(reported - predicted) <= lay.tile, (reported, predicted)
+    assert reported < capacity(engine("auto").log)
+    record("kv_tokens", {WIDTHS: reported})
+    record("capacity_ratio", {WIDTHS: round(reported / capacity(stock.log), 2)})
+    assert hf >= MIN_AGREEMENT, hf
 
 
 def test_auto_capacity_is_the_layouts() -> None:

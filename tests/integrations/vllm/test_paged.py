@@ -28,7 +28,8 @@ from kvarn.integrations.vllm.pool import (
     SlotTable,
     page_regions,
 )
-from kvarn.presets import affine_preset
+from kvarn.presets import Preset, affine_preset
+from kvarn.presets.family import widths_preset
 
 G, D, H, HQ = 16, 16, 2, 4
 
@@ -60,8 +61,8 @@ class Engine:
 
     def __init__(self, preset_bits=(4, 2), sink_blocks: int = 1, num_blocks: int = 64, e: int = 32,
                  family: str = "kvarn", rounding: str = "nearest", dtype: torch.dtype = torch.float32,
-                 clip: tuple[float, float] = (1.0, 1.0)) -> None:
-        preset = affine_preset(family, *preset_bits, G, rounding=rounding, clip=clip)
+                 clip: tuple[float, float] = (1.0, 1.0), preset: Preset | None = None) -> None:
+        preset = preset or affine_preset(family, *preset_bits, G, rounding=rounding, clip=clip)
         self.dtype = dtype  # the model's: keys, values and queries are rounded to it
         self.prefill = "model"  # additional_config['kvarn']['prefill']
         self.lay = TileLayout(preset, D, dtype)
@@ -846,16 +847,23 @@ def test_auto_flags_live_in_the_accounted_page_bytes(name: str) -> None:
     assert not runs[[0, 2]].any() and not fp.any()  # only the blocks' packed parts
 
 
-@pytest.mark.parametrize("clip", [1.0, 0.8])
-def test_query_aware_keys_match_oracle_with_running_covariance(read_path, clip: float) -> None:
+@pytest.mark.parametrize("clip", [1.0, 0.8, "widths"])
+def test_query_aware_keys_match_oracle_with_running_covariance(read_path, clip: float | str, monkeypatch) -> None:
     """kvarn-auto-k2v2 with query-aware keys (`-qar`) over mixed steps with a prefix-cache hit: the layer keeps the
     engine's running E[q q^T] per KV head (every query of every step, GQA heads pooled; float64 oracle to 1e-5), each
     key tile is rounded with the matrix as of the step that completes it (its codes equal the oracle encode's), and the
     outputs match the float64 oracle (1e-4). The queries are correlated across channels, so the codes differ from
     those of the diagonal weight alone on some tiles (asserted): a backend that kept only the energy would fail.
-    clip 0.8: the clipped grids of `kvarn-auto-k2v2-g128-qar-clip` (`AffineConfig.clip`), the same page fields."""
-    eng = Engine(preset_bits=(2, 2), sink_blocks=1, family="kvarn-auto", rounding="query-aware", clip=(clip, clip))
-    assert eng.lay.key_q.config.clip == clip
+    clip 0.8: the clipped grids of `kvarn-auto-k2v2-g128-qar-clip` (`AffineConfig.clip`), the same page fields;
+    "widths": the `kvarn-w` presets' keys, each channel at its own width (`AffineConfig.widths`: codes [W G / 8] and
+    the widths in the page)."""
+    if clip == "widths":
+        eng = Engine(sink_blocks=1, preset=widths_preset(tile=G, mean=2.5))
+        assert eng.lay.key_q.format(D).widths == 40
+        monkeypatch.setattr(eng.lay.key_q, "_kernel", lambda x: False)  # no store kernel: the reference stores them
+    else:
+        eng = Engine(preset_bits=(2, 2), sink_blocks=1, family="kvarn-auto", rounding="query-aware", clip=(clip, clip))
+        assert eng.lay.key_q.config.clip == clip
     gen = torch.Generator().manual_seed(31)
     eng.q_mix = torch.eye(D) + torch.randn(D, 2, generator=gen) @ torch.randn(2, D, generator=gen)
     for rid in "acd":
