@@ -10,11 +10,11 @@ kvarn's own callers hold a `Seat`, which calls the kernel registered for the dev
 dispatcher.
 
     kvarn::tile_store(x [N, G, D], weight [N, D]?, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype,
-                      relative, coef [N, B, D, D]?, clip) -> (codes, row_scale, row_zero, col_scale | [0],
-                      rotated | [0], input_finite [N], fields_finite [N])
+                      relative, coef [N, B, D, D]?, clip, widths) -> (codes, row_scale, row_zero, col_scale | [0],
+                      rotated | [0], input_finite [N], fields_finite [N], row_widths | [0])
         AffineQuantizer tiles (kvarn.quant.affine; codes `kvarn.ops.codes`; coef: query-aware rounding of keys,
-        `kvarn.ops.rtn`; clip: `AffineConfig.clip`); default: the quantizer's reference, registered by
-        kvarn.quant.affine.
+        `kvarn.ops.rtn`; clip: `AffineConfig.clip`; widths: key rows at their own widths, `AffineFormat.widths`,
+        codes [N, widths C / 8]); default: the quantizer's reference, registered by kvarn.quant.affine.
     kvarn::tile_decode(codes [N, R, C b / 8], row_scale, row_zero [N, R], col_scale [N, C] | [0], rotated [N] | [0],
                        bits, channel, rotate, tile, out_dtype) -> x [N, G, D]
         the store's inverse: AffineQuantizer tiles decoded token-major in out_dtype (`DTYPE_CODES`); default:
@@ -42,8 +42,8 @@ from kvarn.ops.packing import packed_size
 from kvarn.ops.rtn import query_aware_bases
 
 STORE_SCHEMA = ("(Tensor x, Tensor? weight, int bits, bool channel, int rotate, bool varn, int varn_iters, "
-                "int scale_dtype, int col_dtype, bool relative, Tensor? coef=None, float clip=1.0) -> (Tensor, Tensor, "
-                "Tensor, Tensor, Tensor, Tensor, Tensor)")
+                "int scale_dtype, int col_dtype, bool relative, Tensor? coef=None, float clip=1.0, int widths=0) -> "
+                "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 DECODE_SCHEMA = ("(Tensor q, Tensor qh, Tensor hadamard, float scale, Tensor[] key_fields, int[] key_strides, "
                  "int key_bits, int key_rotate, Tensor[] value_fields, int[] value_strides, int value_bits, "
                  "int value_rotate, Tensor block_table, Tensor n_blocks, int tile, Tensor exact_map, Tensor exact_k, "
@@ -100,16 +100,18 @@ def supported(seat: str, device: torch.device, *args) -> str | None:
 
 @torch.library.register_fake("kvarn::tile_store")
 def _store_fake(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative, coef=None,
-                clip=1.0):
+                clip=1.0, widths=0):
     n, g, d = x.shape
     r, c = (d, g) if channel else (g, d)
     sd = CODE_DTYPES[scale_dtype]
     zd = torch.float16 if sd.itemsize == 1 else sd
-    empty = x.new_empty(0)
-    return (x.new_empty(n, r, packed_size(c, bits), dtype=torch.uint8), x.new_empty(n, r, dtype=sd),
-            x.new_empty(n, r, dtype=zd), x.new_empty(n, c, dtype=CODE_DTYPES[col_dtype]) if varn else empty,
-            x.new_empty(n, dtype=torch.uint8) if rotate == 2 else empty, x.new_empty(n, dtype=torch.bool),
-            x.new_empty(n, dtype=torch.bool))
+    codes = x.new_empty(n, widths * c // 8, dtype=torch.uint8) if widths else \
+        x.new_empty(n, r, packed_size(c, bits), dtype=torch.uint8)
+    return (codes, x.new_empty(n, r, dtype=sd),
+            x.new_empty(n, r, dtype=zd), x.new_empty(n, c, dtype=CODE_DTYPES[col_dtype]) if varn else x.new_empty(0),
+            x.new_empty(n, dtype=torch.uint8) if rotate == 2 else x.new_empty(0), x.new_empty(n, dtype=torch.bool),
+            x.new_empty(n, dtype=torch.bool),
+            x.new_empty(n, packed_size(r, 3), dtype=torch.uint8) if widths else x.new_empty(0))
 
 
 @torch.library.register_fake("kvarn::packed_decode")

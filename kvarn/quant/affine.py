@@ -380,12 +380,13 @@ class AffineQuantizer(TileQuantizer):
                     ) -> tuple[AffineTiles, torch.Tensor, torch.Tensor]:
         """The seat call of `encode_kernel`; coef: query-aware rounding's coefficients (`QueryAwareQuantizer`)."""
         c, fmt = self.config, self.format(x.shape[2])
-        w = weight if c.rotate == "auto" and kernel_weighted(self.policy) else None
-        codes, a, z, t, rot, finite_in, finite_out = STORE_SEAT(
+        # the policy's weight (auto, query); row widths read it as the rows' weights of the plain basis too
+        w = weight if (c.rotate == "auto" and kernel_weighted(self.policy)) or fmt.widths else None
+        codes, a, z, t, rot, finite_in, finite_out, widths = STORE_SEAT(
             x, w, c.bits, c.axis == "channel", fmt.rotation, c.varn, c.varn_iters,
-            DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(fmt.col_dtype, 0), self._relative, coef, c.clip)
+            DTYPE_CODES[c.scale_dtype], DTYPE_CODES.get(fmt.col_dtype, 0), self._relative, coef, c.clip, fmt.widths)
         return AffineTiles(codes, a, z, t if c.varn else None, rot if c.rotate == "auto" else None,
-                           fmt=fmt), finite_in, finite_out
+                           row_widths=widths if fmt.widths else None, fmt=fmt), finite_in, finite_out
 
     @property
     def _relative(self) -> bool:
@@ -406,8 +407,8 @@ class AffineQuantizer(TileQuantizer):
         def why() -> str | None:
             if c.refine:
                 return "refined channels (refine > 0) have no store kernel yet"
-            if c.widths:
-                return "row widths (widths > 0) have no store kernel yet"
+            if c.widths and c.rotate == "auto" and not kernel_weighted(self.policy):
+                return "row widths with a rotation policy that does not read the query energy"
             return supported("tile_store", x.device, x, c.bits, c.axis == "channel", c.varn, c.varn_iters,
                              c.scale_dtype, self.format(x.shape[2]).col_dtype,
                              c.rotate != "auto" or kernel_weighted(self.policy) is not None,
@@ -540,13 +541,16 @@ class QueryAwareQuantizer(AffineQuantizer):
 
 def tile_store_reference(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel: bool, rotate: int,
                          varn: bool, varn_iters: int, scale_dtype: int, col_dtype: int, relative: bool,
-                         coef: torch.Tensor | None = None, clip: float = 1.0) -> tuple[torch.Tensor, ...]:
+                         coef: torch.Tensor | None = None, clip: float = 1.0, widths: int = 0
+                         ) -> tuple[torch.Tensor, ...]:
     """The default of the tile store seat: `encode_reference` of the quantizer these parameters describe (policy
     query with a weight, mse without), non-finite tiles encoded as zeros (`TileQuantizer.encode_tiles`); absent
-    outputs (no VarN: col_scale; rotate != auto: rotated) are empty tensors of x's dtype, as the kernel's."""
+    outputs (no VarN: col_scale; rotate != auto: rotated; no row widths: row_widths) are empty tensors of x's dtype,
+    as the kernel's."""
     sd, cd = CODE_DTYPES[scale_dtype], CODE_DTYPES[col_dtype]
     cfg = AffineConfig(bits, "channel" if channel else "token", Rotation(rotate).name.lower(), varn, varn_iters,
-                       x.shape[1], sd, cd if varn and (relative or cd != sd) else None, clip=clip)
+                       x.shape[1], sd, cd if varn and (relative or cd != sd) else None, clip=clip,
+                       widths=widths / x.shape[2])
     policy = "query" if weight is not None else "mse"
     finite = torch.isfinite(x).flatten(1).all(dim=1)
     x = torch.where(finite.view(-1, 1, 1), x, torch.zeros_like(x))
@@ -555,7 +559,8 @@ def tile_store_reference(x: torch.Tensor, weight: torch.Tensor | None, bits: int
     else:  # query-aware rounding with the caller's coefficients
         p = QueryAwareQuantizer(cfg, policy).encode_rounded(x, weight, coef)
     return (p.codes, p.row_scale, p.row_zero, x.new_empty(0) if p.col_scale is None else p.col_scale,
-            x.new_empty(0) if p.rotated is None else p.rotated, finite, p.finite_tiles().to(finite.device))
+            x.new_empty(0) if p.rotated is None else p.rotated, finite, p.finite_tiles().to(finite.device),
+            x.new_empty(0) if p.row_widths is None else p.row_widths)
 
 
 torch.library.impl("kvarn::tile_store", "CompositeExplicitAutograd", tile_store_reference)

@@ -73,10 +73,27 @@ def test_tile_store_opcheck_with_query_aware_coefficients(monkeypatch, seed):
     q.encode_kernel(x, sigma)
     monkeypatch.setattr(affine, "STORE_SEAT", real)
     args = seen[0]
-    assert args[-2].shape == (3, 2, 64, 64) and args[-1] == 1.0
+    assert args[-3].shape == (3, 2, 64, 64) and args[-2] == 1.0 and args[-1] == 0
     torch.library.opcheck(torch.ops.kvarn.tile_store.default, args, test_utils=UTILS)
     for got, want in zip(torch.ops.kvarn.tile_store.default(*args), tile_store_reference(*args), strict=True):
         assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_tile_store_opcheck_with_row_widths(monkeypatch, seed):
+    """The seat's widths (key rows at their own widths, kvarn-w2.5's keys): codes [N, widths G / 8] and the widths as
+    the eighth output; opcheck, and its default equals the kernel on these tiles (tests/kernels/test_cpu_store.py
+    states how near-ties may differ)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 128, 64, generator=g) * torch.linspace(0.2, 3.0, 64)
+    a = torch.randn(3, 64, 4, generator=g)
+    _, args = _store_args("kvarn-w2.5", 0, x, a @ a.transpose(1, 2) + 0.1 * torch.eye(64), monkeypatch)
+    assert args[-1] == 150 and args[2] == 4
+    torch.library.opcheck(torch.ops.kvarn.tile_store.default, args, test_utils=UTILS[1:])  # e4m3 column scales
+    got, want = torch.ops.kvarn.tile_store.default(*args), tile_store_reference(*args)
+    assert got[0].shape == (3, 150 * 128 // 8) and got[7].shape == (3, 24)
+    for k, w in zip(got, want, strict=True):
+        assert torch.equal(k, w)
 
 
 @needs_kernel

@@ -5,9 +5,9 @@ Checked: the allocation against brute force and a float64 dynamic program writte
 bit-by-bit reference reader; widths, clips, codes, stored scales and the reconstruction against the float64 oracle
 (tests/reference/widths.py) in both bases; query-aware rounding keeps the widths and scales and lowers the logit error;
 the presets fit their budgets in stored bytes; the packed read path equals decode-then-matmul (the fused CPU decode
-kernel: tests/kernels/test_cpu_decode.py); the store and tile decode kernels and the vLLM plugin refuse the format by
-name; in a model, packed reads match reference reads, the bytes held are the
-format's and a saved cache continues as the original.
+kernel: tests/kernels/test_cpu_decode.py; the C++ store: tests/kernels/test_cpu_store.py; the vLLM pages:
+tests/integrations/vllm/test_paged.py); which kernels serve the format and which refuse it by name; in a model,
+packed reads match reference reads, the bytes held are the format's and a saved cache continues as the original.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def test_packed_read_equals_decoded_matmul() -> None:
     assert torch.allclose(got, qs @ dec.transpose(-1, -2), rtol=1e-9, atol=1e-9)
 
 
-def test_kernels_and_vllm_refuse_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_which_kernels_serve_the_format(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvarn.attention.fused import unsupported_quantizers
     from kvarn.integrations.vllm.config import check_preset
     from kvarn.quant.affine import decode_kernel
@@ -229,14 +229,14 @@ def test_kernels_and_vllm_refuse_by_name(monkeypatch: pytest.MonkeyPatch) -> Non
     p = get_preset("kvarn-w2.5")
     k, v = p.quantizers(64)
     assert unsupported_quantizers(k, v) is None  # the CPU decode kernel reads rows at their widths
-    tiles = k.encode(torch.randn(1, G, 64))
     monkeypatch.setenv("KVARN_KERNEL", "cpu")
-    with pytest.raises(Exception, match="row widths"):
-        k.encode(torch.randn(1, G, 64))
+    tiles = k.encode(torch.randn(1, G, 64))  # the C++ store encodes them (tests/kernels/test_cpu_store.py)
     with pytest.raises(Exception, match="own widths"):
         decode_kernel(tiles, torch.float32)
-    with pytest.raises(ValueError, match="own widths"):
-        check_preset(p)
+    mse = QueryAwareQuantizer(k.config, "mse")
+    with pytest.raises(Exception, match="row widths with a rotation policy"):
+        mse.encode(torch.randn(1, G, 64), torch.rand(1, 64))
+    check_preset(p)  # the plugin serves them (tests/integrations/vllm/test_paged.py)
     with pytest.raises(ValueError, match="row widths"):
         AffineQuantizer(AffineConfig(2, "channel", widths=2.0))
     with pytest.raises(ValueError, match="row widths"):

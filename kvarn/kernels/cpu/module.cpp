@@ -14,7 +14,7 @@ std::vector<at::Tensor> decode_attention(
 
 std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t bits, bool channel,
                                     int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,
-                                    bool relative, const at::Tensor& coef, double clip);
+                                    bool relative, const at::Tensor& coef, double clip, int64_t widths);
 
 at::Tensor query_aware_coefficients(const at::Tensor& sigma, int64_t rotate, double damp);
 

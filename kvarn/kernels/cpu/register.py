@@ -16,9 +16,9 @@ from kvarn.ops import seats
 
 
 def _tile_store(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative, coef=None,
-                clip=1.0):
+                clip=1.0, widths=0):
     out = store.store_tiles(x, weight, bits, channel, rotate, varn, varn_iters, scale_dtype, col_dtype, relative,
-                            coef, clip)
+                            coef, clip, widths)
     return tuple(x.new_empty(0) if t is None else t for t in out)
 
 

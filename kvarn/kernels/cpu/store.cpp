@@ -94,7 +94,9 @@ struct Config {
   int scale_dt, zero_dt, col_dt;  // zero_dt: fp16 when the scales are 8-bit (kvarn.quant.affine.zero_dtype)
   bool clipped;                   // clip < 1 (kvarn.ops.rtn.row_range); else the range is the row's min and max
   float half_clip;                // 0.5 * clip in float32
+  int widths;                     // keys at row widths (kvarn.ops.widths): the bits of codes a column holds; 0: off
   int mb() const { return C * bits / 8; }
+  int code_bytes() const { return widths ? widths * C / 8 : R * mb(); }
 };
 
 // x @ H along the rows of T [d][n] (channel-major: row i = channel i of n vectors), in place: kvarn.ops.hadamard's
@@ -128,22 +130,26 @@ void fwht_rows(T_* T, int d, int n) {
 
 // One encoding of a tile, fields in storage dtypes (raw bytes), plus its codes unpacked (for the auto decode).
 struct Encoded {
-  std::vector<uint8_t> q, codes;
+  std::vector<uint8_t> q, codes, wid;  // wid: the rows' widths, 3 bits each (row widths only)
   std::vector<char> a, z, col;
   Encoded(const Config& c)
-      : q(c.R * c.C), codes(c.R * c.mb()), a(c.R * item_size(c.scale_dt)), z(c.R * item_size(c.zero_dt)),
-        col(c.C * item_size(c.col_dt)) {}
+      : q(c.R * c.C), codes(c.code_bytes()), wid(c.widths ? c.R * 3 / 8 : 0), a(c.R * item_size(c.scale_dt)),
+        z(c.R * item_size(c.zero_dt)), col(c.C * item_size(c.col_dt)) {}
 };
 
 // A thread's scratch for one tile shape (kept between calls: allocating and zeroing it cost as much as a small call)
 struct Work {
   int G, D, R;
-  std::vector<float> x0, x, dec, b, sc, sr, lc, lr, ec, er, bc, br, tf, rec, u, m, step, err;
+  std::vector<float> x0, x, dec, b, sc, sr, lc, lr, ec, er, bc, br, tf, rec, u, m, step, err, top;
   std::vector<double> zsd, iec, ier;
+  // row widths: per row and width its error, grid (lo, delta), the dynamic program's costs and choices, the widths
+  std::vector<float> werr, wlo, wdelta, cost, cost2, wt;
+  std::vector<uint8_t> choice;
+  std::vector<int> width;
   Work(const Config& c)
       : G(c.G), D(c.D), R(c.R), x0(c.G * c.D), x(c.R * c.C), dec(c.R * c.C), b(c.R * c.C), sc(c.C), sr(c.R),
         lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R), tf(c.C), rec(c.G * c.D), u(c.R * c.C), m(c.R * c.R),
-        step(c.R), err(c.R * c.C), zsd(c.R), iec(c.C), ier(c.R) {}
+        step(c.R), err(c.R * c.C), top(c.R), zsd(c.R), iec(c.C), ier(c.R) {}
 };
 
 Work& work_for(const Config& c) {
@@ -430,7 +436,7 @@ void qa_targets(const float* uj, const float* e, const float* m, int j, int R, i
 
 void query_aware_rows(const Config& c, const float* coef, Work& w, uint8_t* q) {
   const int R = c.R, C = c.C;
-  const float top = static_cast<float>((1 << c.bits) - 1);
+  const float top_all = static_cast<float>((1 << c.bits) - 1);
   const float* u = w.u.data();
   float* m = w.m.data();
   float* e = w.err.data();  // [R][C]
@@ -456,6 +462,7 @@ void query_aware_rows(const Config& c, const float* coef, Work& w, uint8_t* q) {
       }
       uint8_t* qj = q + j * C + g0;
       float* ej = e + j * C + g0;
+      const float top = c.widths ? w.top[j] : top_all;  // row widths: each row's own largest code
 #pragma omp simd
       for (int g = 0; g < n; ++g) {
         const float v = std::min(std::max(std::nearbyint(t[g]), 0.f), top);
@@ -475,9 +482,135 @@ __attribute__((noinline, optimize("fp-contract=off"))) void clip_range(float& lo
   hi = mid + half;
 }
 
+// Row widths (kvarn.ops.widths.width_targets) of balanced rows B [R][C] with VarN's s_c, s_r (w.bc, w.br) and row
+// weights gain [R] (null: 1): per row the error of its mean (width 0) and of the best of 13 clipped grids at each
+// width 1..4, e_r(w) = sum_c s_r^2 s_c^2 g_r (q delta + lo - b)^2 (double sums; the first clip of least error), then
+// the widths of least total error holding c.widths bits (exact dynamic program over the rows, float32 costs, the
+// first width on ties), into w.width, with each row's grid in w.wlo / w.wdelta [r * 5 + width]. Sums run in another
+// order than torch's, so a near-tie may fall the other way.
+constexpr int WIDTHS = 5;  // 0..4 bits a row
+constexpr int N_CLIPS = 13;  // kvarn.ops.widths.CLIPS: 0.40, 0.45, .., 1.00
+
+void width_targets(const Config& c, const float* B, const float* gain, Work& w) {
+  const int R = c.R, C = c.C, T = c.widths;
+  w.werr.resize(R * WIDTHS);
+  w.wlo.resize(R * WIDTHS);
+  w.wdelta.resize(R * WIDTHS);
+  w.wt.resize(C);
+  w.width.resize(R);
+  float* wt = w.wt.data();
+  for (int r = 0; r < R; ++r) {
+    const float* row = B + r * C;
+    const float sr = c.varn ? w.br[r] : 1.f, sr2 = sr * sr;
+    for (int j = 0; j < C; ++j) {
+      const float sc = c.varn ? w.bc[j] : 1.f;
+      wt[j] = sr2 * (sc * sc);
+      if (gain) wt[j] = wt[j] * gain[r];
+    }
+    float lo0, hi0;
+    row_range(row, C, lo0, hi0);
+    double sum = 0.0;
+    for (int j = 0; j < C; ++j) sum += row[j];
+    const float mean = static_cast<float>(sum / C);
+    double e0 = 0.0;
+    for (int j = 0; j < C; ++j) {
+      const float d = mean - row[j];
+      e0 += static_cast<double>(d * d * wt[j]);
+    }
+    w.werr[r * WIDTHS] = static_cast<float>(e0);
+    w.wlo[r * WIDTHS] = mean;
+    w.wdelta[r * WIDTHS] = std::max(hi0 - lo0, RANGE_GUARD);
+    for (int bits = 1; bits < WIDTHS; ++bits) {
+      const float levels = static_cast<float>((1 << bits) - 1);
+      double best = std::numeric_limits<double>::infinity();
+      for (int k = 0; k < N_CLIPS; ++k) {
+        float lo = lo0, hi = hi0;
+        if (k + 1 < N_CLIPS) clip_range(lo, hi, static_cast<float>(0.5 * ((8 + k) / 20.0)));
+        const float delta = std::max((hi - lo) / levels, RANGE_GUARD);
+        double e = 0.0;
+#pragma omp simd reduction(+ : e)
+        for (int j = 0; j < C; ++j) {
+          const float q = std::min(std::max(std::nearbyint((row[j] - lo) / delta), 0.f), levels);
+          const float d = q * delta + lo - row[j];
+          e += static_cast<double>(d * d * wt[j]);
+        }
+        if (e < best) {
+          best = e;
+          w.wlo[r * WIDTHS + bits] = lo;
+          w.wdelta[r * WIDTHS + bits] = delta;
+        }
+      }
+      w.werr[r * WIDTHS + bits] = static_cast<float>(best);
+    }
+  }
+  // cost[t]: the least error of the rows so far holding t bits; choice[i][t]: row i's width on that path
+  const float inf = std::numeric_limits<float>::infinity();
+  w.cost.assign(T + 1, inf);
+  w.cost2.resize(T + 1);
+  w.choice.resize(static_cast<size_t>(R) * (T + 1));
+  w.cost[0] = 0.f;
+  for (int i = 0; i < R; ++i) {
+    const float* ei = w.werr.data() + i * WIDTHS;
+    uint8_t* ch = w.choice.data() + static_cast<size_t>(i) * (T + 1);
+    for (int t = 0; t <= T; ++t) {
+      float best = inf;
+      int arg = 0;
+      for (int v = 0; v < WIDTHS && v <= t; ++v) {
+        const float cand = w.cost[t - v] + ei[v];
+        if (cand < best) {
+          best = cand;
+          arg = v;
+        }
+      }
+      w.cost2[t] = best;
+      ch[t] = static_cast<uint8_t>(arg);
+    }
+    std::swap(w.cost, w.cost2);
+  }
+  for (int i = R - 1, t = T; i >= 0; --i) {
+    w.width[i] = w.choice[static_cast<size_t>(i) * (T + 1) + t];
+    t -= w.width[i];
+  }
+}
+
+// Codes q [R][C] of rows at their widths (w.width) packed as kvarn.ops.widths.pack_rows: grouped by width, widest
+// first, each row as kvarn.ops.packing packs it at its width; the widths 3 bits each.
+void pack_widths(const Config& c, const Work& w, const uint8_t* q, Encoded& e) {
+  const int R = c.R, C = c.C;
+  std::fill(e.codes.begin(), e.codes.end(), 0);
+  uint8_t* out = e.codes.data();
+  for (int width = WIDTHS - 1; width >= 1; --width)
+    for (int r = 0; r < R; ++r) {
+      if (w.width[r] != width) continue;
+      const uint8_t* qr = q + r * C;
+      if (width == 3) {
+        for (int i = 0; i < C / 8; ++i) {
+          uint32_t word = 0;
+          for (int j = 0; j < 8; ++j) word |= static_cast<uint32_t>(qr[8 * i + j]) << (3 * j);
+          for (int k = 0; k < 3; ++k) out[3 * i + k] = static_cast<uint8_t>(word >> (8 * k));
+        }
+      } else {
+        const int m = C * width / 8, per = 8 / width;
+        for (int j = 0; j < m; ++j) {
+          uint8_t byte = 0;
+          for (int k = 0; k < per; ++k) byte |= static_cast<uint8_t>(qr[k * m + j] << (k * width));
+          out[j] = byte;
+        }
+      }
+      out += C * width / 8;
+    }
+  for (int i = 0; i < R / 8; ++i) {
+    uint32_t word = 0;
+    for (int j = 0; j < 8; ++j) word |= static_cast<uint32_t>(w.width[8 * i + j]) << (3 * j);
+    for (int k = 0; k < 3; ++k) e.wid[3 * i + k] = static_cast<uint8_t>(word >> (8 * k));
+  }
+}
+
 // X [R][C] -> one encoding: B = X / s_c / s_r (VarN), RTN per row, a = s_r delta, z = s_r lo, t = s_c, packed codes.
-// coef [R][R] (keys only; null: nearest rounding): the codes rounded query-aware instead (query_aware_rows).
-void encode_rows(const Config& c, const float* X, Work& w, Encoded& e, const float* coef = nullptr) {
+// coef [R][R] (keys only; null: nearest rounding): the codes rounded query-aware instead (query_aware_rows). Row
+// widths (c.widths): each row on the grid of its width (width_targets, gain: the rows' weights or null).
+void encode_rows(const Config& c, const float* X, Work& w, Encoded& e, const float* coef = nullptr,
+                 const float* gain = nullptr) {
   const int R = c.R, C = c.C, levels = (1 << c.bits) - 1;
   const float* B = X;
   if (c.varn) {
@@ -498,12 +631,20 @@ void encode_rows(const Config& c, const float* X, Work& w, Encoded& e, const flo
     B = b;
     for (int j = 0; j < C; ++j) put(c.col_dt, e.col.data(), j, w.bc[j]);
   }
+  if (c.widths) width_targets(c, B, gain, w);
   for (int r = 0; r < R; ++r) {
     const float* row = B + r * C;
-    float lo, hi;
-    row_range(row, C, lo, hi);
-    if (c.clipped) clip_range(lo, hi, c.half_clip);
-    const float delta = std::max((hi - lo) / static_cast<float>(levels), RANGE_GUARD);
+    float lo, hi, delta, top = static_cast<float>(levels);
+    if (c.widths) {
+      const int v = w.width[r];
+      lo = w.wlo[r * WIDTHS + v];
+      delta = w.wdelta[r * WIDTHS + v];
+      top = w.top[r] = static_cast<float>(v ? (1 << v) - 1 : 0);
+    } else {
+      row_range(row, C, lo, hi);
+      if (c.clipped) clip_range(lo, hi, c.half_clip);
+      delta = std::max((hi - lo) / static_cast<float>(levels), RANGE_GUARD);
+    }
     const float s = c.varn ? w.br[r] : 1.f;
     const float a = c.varn ? delta * s : delta;
     if (coef) {  // the unrounded codes, as row_codes forms them
@@ -512,12 +653,13 @@ void encode_rows(const Config& c, const float* X, Work& w, Encoded& e, const flo
       for (int j = 0; j < C; ++j) ur[j] = (row[j] - lo) / delta;
       w.step[r] = a;
     } else {
-      row_codes(row, C, lo, delta, static_cast<float>(levels), e.q.data() + r * C);
+      row_codes(row, C, lo, delta, top, e.q.data() + r * C);
     }
     put(c.scale_dt, e.a.data(), r, a);
     put(c.zero_dt, e.z.data(), r, c.varn ? lo * s : lo);
   }
   if (coef) query_aware_rows(c, coef, w, e.q.data());
+  if (c.widths) return pack_widths(c, w, e.q.data(), e);
   const int mb = c.mb();
   if (c.bits == 3) {  // kvarn.ops.packing: groups of 8 codes in 3 bytes, code j at bits [3j, 3j + 3)
     for (int i = 0; i < R * C / 8; ++i) {
@@ -592,14 +734,15 @@ double weighted_error(const Config& c, const Encoded& e, bool rotated, const flo
 }
 
 struct Out {
-  uint8_t *codes, *rot;
+  uint8_t *codes, *rot, *wid;
   bool *finite_in, *finite_out;
   char *a, *z, *col;
 };
 
 void emit(const Config& c, const Encoded& e, const Out& o, int64_t n) {
   const int sa = item_size(c.scale_dt), sz = item_size(c.zero_dt), sc = item_size(c.col_dt);
-  std::memcpy(o.codes + n * c.R * c.mb(), e.codes.data(), e.codes.size());
+  std::memcpy(o.codes + n * c.code_bytes(), e.codes.data(), e.codes.size());
+  if (o.wid) std::memcpy(o.wid + n * e.wid.size(), e.wid.data(), e.wid.size());
   std::memcpy(o.a + n * c.R * sa, e.a.data(), e.a.size());
   std::memcpy(o.z + n * c.R * sz, e.z.data(), e.z.size());
   if (o.col) std::memcpy(o.col + n * c.C * sc, e.col.data(), e.col.size());
@@ -739,11 +882,13 @@ void coefficients_of(double* S, double damp, float* C, double* A, double* V, dou
 // x [N][G][D] float32/fp16/bf16, any strides; weight [N][D] float32 (rotate = auto, weighted) or empty; coef
 // [N][B][D][D] float32 (keys: query-aware rounding; B = 2 for rotate = auto, the rotated basis first, else 1) or empty.
 // Returns codes [N][R][C*bits/8] uint8, row_scale and row_zero [N][R] (scale dtype; the zero fp16 for 8-bit scales), col_scale [N][C] (col dtype;
-// undefined without VarN), rotated [N] uint8 (undefined unless rotate = auto), and two [N] bool flags: the input tile
-// was finite (else it was encoded as zeros), every stored scale is finite.
+// undefined without VarN), rotated [N] uint8 (undefined unless rotate = auto), two [N] bool flags: the input tile
+// was finite (else it was encoded as zeros), every stored scale is finite; and with row widths (widths > 0: keys,
+// bits 4) codes [N][widths*C/8] and the widths [N][3R/8] uint8 last (undefined without), weight [N][D] then also the
+// rows' weights of the plain basis.
 std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t bits, bool channel,
                                     int64_t rotate, bool use_varn, int64_t iters, int64_t scale_dt, int64_t col_dt,
-                                    bool relative, const at::Tensor& coef, double clip) {
+                                    bool relative, const at::Tensor& coef, double clip, int64_t widths) {
   TORCH_CHECK(x.dim() == 3 && x.device().is_cpu(), "kvarn store: x must be [N, G, D] on the CPU");
   TORCH_CHECK(clip > 0.0 && clip <= 1.0, "kvarn store: clip must be in (0, 1]");
   TORCH_CHECK(bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 8, "kvarn store: bits must be 1, 2, 3, 4 or 8");
@@ -765,6 +910,9 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
   c.weighted = weight.numel() > 0;
   c.clipped = clip < 1.0;
   c.half_clip = static_cast<float>(0.5 * clip);
+  c.widths = static_cast<int>(widths);
+  TORCH_CHECK(widths == 0 || (channel && bits == 4 && c.R % 8 == 0 && c.C % 8 == 0 && widths > 0 && widths <= 4 * c.R),
+              "kvarn store: row widths are for keys at bits 4, rows and columns multiples of 8, 1..4 R bits");
   const int nb = c.rotate == 2 ? 2 : 1;
   TORCH_CHECK(coef.numel() == 0 || (channel && coef.scalar_type() == at::kFloat && coef.is_contiguous() &&
                                     coef.dim() == 4 && coef.size(0) == N && coef.size(1) == nb &&
@@ -778,13 +926,15 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
                               weight.size(0) == N && weight.size(1) == c.D),
               "kvarn store: weight must be float32 [N, D] contiguous");
   auto u8 = x.options().dtype(at::kByte);
-  at::Tensor codes = at::empty({N, c.R, c.mb()}, u8);
+  at::Tensor codes = c.widths ? at::empty({N, c.code_bytes()}, u8) : at::empty({N, c.R, c.mb()}, u8);
+  at::Tensor wid = c.widths ? at::empty({N, c.R * 3 / 8}, u8) : at::Tensor();
   at::Tensor a = at::empty({N, c.R}, x.options().dtype(scalar_type(c.scale_dt)));
   at::Tensor z = at::empty({N, c.R}, x.options().dtype(scalar_type(c.zero_dt)));
   at::Tensor col = c.varn ? at::empty({N, c.C}, x.options().dtype(scalar_type(c.col_dt))) : at::Tensor();
   at::Tensor rot = c.rotate == 2 ? at::empty({N}, u8) : at::Tensor();
   at::Tensor fin = at::empty({N}, x.options().dtype(at::kBool)), fout = at::empty({N}, x.options().dtype(at::kBool));
-  Out o{codes.data_ptr<uint8_t>(), c.rotate == 2 ? rot.data_ptr<uint8_t>() : nullptr, fin.data_ptr<bool>(),
+  Out o{codes.data_ptr<uint8_t>(), c.rotate == 2 ? rot.data_ptr<uint8_t>() : nullptr,
+        c.widths ? wid.data_ptr<uint8_t>() : nullptr, fin.data_ptr<bool>(),
         fout.data_ptr<bool>(),
         static_cast<char*>(a.data_ptr()), static_cast<char*>(z.data_ptr()),
         c.varn ? static_cast<char*>(col.data_ptr()) : nullptr};
@@ -797,12 +947,13 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
       for (int64_t n = begin; n < end; ++n) {
         o.finite_in[n] = load_tile(x, n, c.G, c.D, w.x0.data());
         to_rows(c, w.x0.data(), c.rotate == 1, w.x.data(), w.rec.data());
-        encode_rows(c, w.x.data(), w, e, cp ? cp + n * dd : nullptr);
+        encode_rows(c, w.x.data(), w, e, cp ? cp + n * dd : nullptr,
+                    wp && c.rotate == 0 ? wp + n * c.D : nullptr);  // widths: the weight of the plain basis
         emit(c, e, o, n);
         o.finite_out[n] = fields_finite(c, e);
       }
     });
-    return {codes, a, z, col, rot, fin, fout};
+    return {codes, a, z, col, rot, fin, fout, wid};
   }
   // rotate = auto: one work item per tile and basis (item 2 n: rotated, 2 n + 1: as it is), so that even a single
   // tile keeps two threads busy; then the choice per tile (kvarn.quant.policy: the rotation where strictly lower)
@@ -816,7 +967,8 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
       const bool finite = load_tile(x, n, c.G, c.D, w.x0.data());
       if (rotated) o.finite_in[n] = finite;
       to_rows(c, w.x0.data(), rotated, w.x.data(), w.rec.data());
-      encode_rows(c, w.x.data(), w, enc[i], cp ? cp + i * dd : nullptr);  // item i = basis i % 2 of tile n
+      encode_rows(c, w.x.data(), w, enc[i], cp ? cp + i * dd : nullptr,  // item i = basis i % 2 of tile n
+                  wp && !rotated ? wp + n * c.D : nullptr);
       err[i] = weighted_error(c, enc[i], rotated, w.x0.data(), wp ? wp + n * c.D : nullptr, w);
     }
   });
@@ -827,7 +979,7 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
     o.finite_out[n] = fields_finite(c, e);
     o.rot[n] = keep ? 1 : 0;
   }
-  return {codes, a, z, col, rot, fin, fout};
+  return {codes, a, z, col, rot, fin, fout, wid};
 }
 
 // sigma [N][D][D] float32 contiguous (E[q q^T] per tile, plain basis) -> coef [N][B][D][D] float32, B = 2 for rotate =

@@ -63,7 +63,7 @@ def unsupported(x: torch.Tensor, bits: int, channel: bool, varn: bool, varn_iter
 
 def store_tiles(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel: bool, rotate: int, varn: bool,
                 varn_iters: int, scale_code: int, col_code: int, relative: bool,
-                coef: torch.Tensor | None = None, clip: float = 1.0) -> tuple[torch.Tensor, ...]:
+                coef: torch.Tensor | None = None, clip: float = 1.0, widths: int = 0) -> tuple[torch.Tensor, ...]:
     """The fields of `AffineQuantizer.encode` for x [N, G, D] (shapes checked by the caller; `unsupported` is None):
     codes [N, R, C*b/8] uint8, row_scale, row_zero [N, R], col_scale [N, C] (VarN, else None), rotated [N] uint8
     (auto, else None); and [N] bool: input_finite (a tile holding NaN/Inf is encoded as zeros) and fields_finite
@@ -71,10 +71,12 @@ def store_tiles(x: torch.Tensor, weight: torch.Tensor | None, bits: int, channel
     `kvarn.ops.codes.Rotation`; scale_code, col_code: `DTYPE_CODES`; relative: `relative_col_scales`. coef
     [N, B, D, D] (keys): query-aware rounding's coefficients per tile and basis (B = 2 under rotate="auto", the rotated
     basis first; the seat `kvarn::query_aware_coefficients`), None: nearest rounding. clip: the share of each row's
-    range its grid spans (`kvarn.ops.rtn.row_range`)."""
+    range its grid spans (`kvarn.ops.rtn.row_range`). widths > 0: keys at row widths (`kvarn.ops.widths`; bits 4),
+    codes [N, widths*C/8] and, last, the widths [N, 3R/8]; weight is then also the allocation's row weights in the
+    plain basis (rotate none, or auto's plain encoding)."""
     w = _EMPTY
     if weight is not None:
         w = weight if weight.dtype == torch.float32 and weight.is_contiguous() else weight.float().contiguous()
     c = _EMPTY if coef is None else coef.float().contiguous()
     return tuple(load().store_tiles(x, w, bits, channel, rotate, varn, varn_iters, scale_code, col_code, relative, c,
-                                       clip))
+                                       clip, widths))
