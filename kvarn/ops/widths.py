@@ -9,10 +9,13 @@ plain basis; 1 in the rotated one or without queries):
     width 0: the row's mean: lo = mean, delta = the row's range, largest code 0
     widths: argmin sum_r e_r(w_r) subject to sum_r w_r = total   (`allocate_widths`: exact dynamic programming)
 
-Stored (`pack_rows`): row r's C codes packed at its own width (`pack_codes`), the rows grouped by width, widest
-first, in row order within a width (width 0 takes no bytes), total * C / 8 bytes a tile whatever the widths; the
-widths themselves 3 bits a row. Rows of one width are then one [n_w, C w / 8] block of the usual plane layout, which a
-kernel multiplies as it does a tile of one width.
+Stored (`pack_rows`), total * C / 8 bytes a tile whatever the widths, in three blocks of the plane layout
+(`pack_codes`), rows in order within each part:
+    4-bit block: the 4-bit rows
+    2-bit block: the low 2 bits of the 3-bit rows, then the 2-bit rows
+    1-bit block: the high bit of the 3-bit rows, then the 1-bit rows
+(width 0 takes no bytes), and the widths themselves 3 bits a row. So a kernel multiplies a tile as three tiles of one
+width each (a 3-bit row's high bit weighs 4), with no 3-bit unpacking.
 """
 
 from __future__ import annotations
@@ -83,34 +86,37 @@ def width_targets(b: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor, gai
     return u, delta, lo, ((1 << w) - 1).masked_fill(w == 0, 0).to(b.dtype), w
 
 
-def _offsets(widths: torch.Tensor, cols: int) -> torch.Tensor:
-    """Byte offset of each row's codes in its tile [N, R] (module docstring): the bytes of the wider rows, then of the
-    rows of its width before it."""
+# The blocks of a tile's codes, in order (module docstring): (bits packed, the width of the rows they hold, shift of the
+# code bits they hold). A 3-bit row's code c = l + 4 h is split: its low bits l lead the 2-bit block, its high bit h
+# the 1-bit block.
+BLOCKS = ((4, 4, 0), (2, 3, 0), (2, 2, 0), (1, 3, 2), (1, 1, 0))
+
+
+def _starts(widths: torch.Tensor, cols: int, size: int) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    """Per block: (bits, width, shift, rows [N, R] bool, flat byte offset [N, R] of each of those rows' codes in a
+    [N, size] buffer)."""
     w = widths.long()
-    out = torch.zeros_like(w)
-    base = torch.zeros_like(w[:, :1])
-    for width in range(MAX_WIDTH, 0, -1):
+    base = torch.arange(w.shape[0], device=w.device)[:, None] * size
+    out = []
+    for bits, width, shift in BLOCKS:
         rows = w == width
-        rank = rows.long().cumsum(-1) - 1
-        out = torch.where(rows, base + rank * (cols * width // 8), out)
-        base = base + rows.long().sum(-1, keepdim=True) * (cols * width // 8)
+        out.append((bits, width, shift, rows, base + (rows.long().cumsum(-1) - 1) * (cols * bits // 8)))
+        base = base + rows.long().sum(-1, keepdim=True) * (cols * bits // 8)
     return out
 
 
 def pack_rows(codes: torch.Tensor, widths: torch.Tensor, total: int) -> torch.Tensor:
     """uint8 codes [N, R, C] (row r's below 2^w_r), widths [N, R] summing to at most total -> [N, total C / 8] uint8:
-    each row `pack_codes` at its own width, grouped by width (module docstring); bytes past the rows' are zero."""
+    the blocks of the module docstring, each `pack_codes` at its bits; bytes past the rows' are zero."""
     n, _, c = codes.shape
     size = total * c // 8
     out = torch.zeros(n * size, dtype=torch.uint8, device=codes.device)
     if widths.long().sum(-1).gt(total).any():
         raise ValueError(f"row widths sum past the tile's {total} bits")
-    start = _offsets(widths, c) + torch.arange(n, device=codes.device)[:, None] * size  # [N, R]
-    for w in range(1, MAX_WIDTH + 1):
-        rows = widths == w
+    for bits, _, shift, rows, start in _starts(widths, c, size):
         if rows.any():
-            idx = start[rows][:, None] + torch.arange(c * w // 8, device=codes.device)
-            out[idx] = pack_codes(codes[rows], w)
+            idx = start[rows][:, None] + torch.arange(c * bits // 8, device=codes.device)
+            out[idx] = pack_codes((codes[rows] >> shift) & ((1 << bits) - 1), bits)
     return out.view(n, size)
 
 
@@ -121,13 +127,11 @@ def unpack_rows(packed: torch.Tensor, widths: torch.Tensor, cols: int, dtype: to
     lead, r = widths.shape[:-1], widths.shape[-1]
     flat, wf = packed.reshape(-1, packed.shape[-1]), widths.reshape(-1, r)
     out = torch.zeros(wf.shape[0], r, cols, dtype=dtype, device=packed.device)
-    start = _offsets(wf, cols) + torch.arange(wf.shape[0], device=packed.device)[:, None] * flat.shape[1]
     src = flat.reshape(-1)
-    for w in range(1, MAX_WIDTH + 1):
-        rows = wf == w
+    for bits, _, shift, rows, start in _starts(wf, cols, flat.shape[1]):
         if rows.any():
-            idx = start[rows][:, None] + torch.arange(cols * w // 8, device=packed.device)
-            out[rows] = unpack_codes(src[idx], w, dtype=dtype)
+            idx = start[rows][:, None] + torch.arange(cols * bits // 8, device=packed.device)
+            out[rows] += unpack_codes(src[idx], bits, dtype=dtype) * (1 << shift)
     return out.view(*lead, r, cols)
 
 

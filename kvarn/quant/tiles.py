@@ -180,9 +180,8 @@ class AffineFormat:
         row_widths   [3 R / 8] uint8       (widths = W > 0, keys only: each row's width in 0..bits, 3 bits a row)
     A refined row r of codes q (high) and e (low) decodes as ((4 q + e) a_r / 4 + z_r) t_c: its row scale is 4x its
     step, so the `codes` plane alone reads it at `bits` bits (`kvarn.quant.affine.merge_refined`).
-    With row widths (W bits of codes a column, spread over the rows), `codes` is [W C / 8]: each row's codes packed at
-    its own width, the rows grouped by width, widest first (`kvarn.ops.widths.pack_rows`); a width-0 row decodes as
-    z_r t_c.
+    With row widths (W bits of codes a column, spread over the rows), `codes` is [W C / 8]: blocks of 4-, 2- and 1-bit
+    codes, a 3-bit row split over the last two (`kvarn.ops.widths.pack_rows`); a width-0 row decodes as z_r t_c.
     """
 
     bits: int

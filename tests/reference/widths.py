@@ -4,8 +4,8 @@ For balanced rows b [R][C], column scales s_c [C], row scales s_r [R] and row we
     e_r(0) = s_r^2 g_r sum_c s_c^2 (mean(b_r) - b_rc)^2
     e_r(w) = min over clips of s_r^2 g_r sum_c s_c^2 (q delta + lo - b_rc)^2   (rtn_row at w bits; first clip on ties)
     widths = argmin sum_r e_r(w_r) with sum_r w_r = total   (dynamic programming over the rows, written anew)
-Rows are stored at their widths as `pack_row` lays each out, the 4-bit rows first, then the 3-, 2- and 1-bit rows, in
-row order within a width; width 0 takes no bytes.
+Stored, each row part as `pack_row` lays it out at its bits, in row order within each part: the 4-bit rows; the low 2
+bits of the 3-bit rows, then the 2-bit rows; the high bit of the 3-bit rows, then the 1-bit rows (width 0: no bytes).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def allocate(table: list[list[float]], total: int) -> tuple[list[int], float]:
 def unpack_rows(data: list[int], widths: list[int], cols: int) -> list[list[int]]:
     """Codes [R][C] of one tile's packed rows."""
     out, at = [[0] * cols for _ in widths], 0
-    for width in (4, 3, 2, 1):
+    for bits, width, shift in ((4, 4, 0), (2, 3, 0), (2, 2, 0), (1, 3, 2), (1, 1, 0)):
         for r, w in enumerate(widths):
             if w == width:
-                size = cols * w // 8
-                out[r] = unpack_row(data[at:at + size], w)
+                size = cols * bits // 8
+                out[r] = [a + (b << shift) for a, b in zip(out[r], unpack_row(data[at:at + size], bits))]
                 at += size
     return out

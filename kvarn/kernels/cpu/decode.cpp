@@ -682,8 +682,9 @@ struct Scratch {
                                          z(std::max(D, G)), col(std::max(D, G)), pz(M) {}
 };
 
-// s [M][G] = w [M][D] @ codes of a key tile whose rows have their own widths (kvarn/ops/widths.py): rows grouped by
-// width, widest first, each group a [n, G * width / 8] block of the plane layout; width-0 rows add nothing.
+// s [M][G] = w [M][D] @ codes of a key tile whose rows have their own widths (kvarn/ops/widths.py): three products of
+// one width each, over the 4-bit block (the 4-bit rows), the 2-bit block (the 3-bit rows' low bits, then the 2-bit
+// rows) and the 1-bit block (the 3-bit rows' high bit, weighing 4, then the 1-bit rows); width-0 rows add nothing.
 void codes_mm_widths(const uint8_t* codes, const uint8_t* widths, int D, int G, const float* w, int M, float* s,
                      int ss, Scratch& sc) {
   sc.width.resize(D);
@@ -692,20 +693,25 @@ void codes_mm_widths(const uint8_t* codes, const uint8_t* widths, int D, int G, 
   sc.s2.resize(static_cast<size_t>(M) * ss);
   unpack3(widths, 1, D, sc.width.data());
   bool first = true;
-  for (int width = 4; width >= 1; --width) {
-    int n = 0;
+  for (const int bits : {4, 2, 1}) {
+    int n = 0;  // rows of the block: the 3-bit rows' parts first (2- and 1-bit blocks), then the rows of its width
+    if (bits < 4)
+      for (int r = 0; r < D; ++r)
+        if (sc.width[r] == 3) sc.rows[n++] = r;
+    const int split = n;
     for (int r = 0; r < D; ++r)
-      if (sc.width[r] == width) sc.rows[n++] = r;
+      if (sc.width[r] == bits) sc.rows[n++] = r;
     if (n == 0) continue;
+    const float high = bits == 1 ? 4.f : 1.f;  // a 3-bit row's high bit
     for (int m = 0; m < M; ++m)
-      for (int i = 0; i < n; ++i) sc.ws[m * n + i] = w[m * D + sc.rows[i]];
+      for (int i = 0; i < n; ++i) sc.ws[m * n + i] = i < split ? high * w[m * D + sc.rows[i]] : w[m * D + sc.rows[i]];
     float* out = first ? s : sc.s2.data();
-    codes_mm(width, codes, n, G, sc.ws.data(), n, M, out, ss);
+    codes_mm(bits, codes, n, G, sc.ws.data(), n, M, out, ss);
     if (!first)
       for (int m = 0; m < M; ++m)
         for (int g = 0; g < G; ++g) s[m * ss + g] += out[m * ss + g];
     first = false;
-    codes += static_cast<size_t>(n) * G * width / 8;
+    codes += static_cast<size_t>(n) * G * bits / 8;
   }
   if (first)
     for (int m = 0; m < M; ++m) std::fill(s + m * ss, s + m * ss + G, 0.f);

@@ -484,7 +484,8 @@ __attribute__((noinline, optimize("fp-contract=off"))) void clip_range(float& lo
 
 // Row widths (kvarn.ops.widths.width_targets) of balanced rows B [R][C] with VarN's s_c, s_r (w.bc, w.br) and row
 // weights gain [R] (null: 1): per row the error of its mean (width 0) and of the best of 13 clipped grids at each
-// width 1..4, e_r(w) = sum_c s_r^2 s_c^2 g_r (q delta + lo - b)^2 (double sums; the first clip of least error), then
+// width 1..4, e_r(w) = sum_c s_r^2 s_c^2 g_r (q delta + lo - b)^2 (float sums, q by 1 / delta; the first clip of
+// least error), then
 // the widths of least total error holding c.widths bits (exact dynamic program over the rows, float32 costs, the
 // first width on ties), into w.width, with each row's grid in w.wlo / w.wdelta [r * 5 + width]. Sums run in another
 // order than torch's, so a near-tie may fall the other way.
@@ -522,17 +523,17 @@ void width_targets(const Config& c, const float* B, const float* gain, Work& w) 
     w.wdelta[r * WIDTHS] = std::max(hi0 - lo0, RANGE_GUARD);
     for (int bits = 1; bits < WIDTHS; ++bits) {
       const float levels = static_cast<float>((1 << bits) - 1);
-      double best = std::numeric_limits<double>::infinity();
+      float best = std::numeric_limits<float>::infinity();
       for (int k = 0; k < N_CLIPS; ++k) {
         float lo = lo0, hi = hi0;
         if (k + 1 < N_CLIPS) clip_range(lo, hi, static_cast<float>(0.5 * ((8 + k) / 20.0)));
-        const float delta = std::max((hi - lo) / levels, RANGE_GUARD);
-        double e = 0.0;
+        const float delta = std::max((hi - lo) / levels, RANGE_GUARD), inv = 1.f / delta;
+        float e = 0.f;  // only compared: a product by 1 / delta and float sums (the codes are formed as torch's)
 #pragma omp simd reduction(+ : e)
         for (int j = 0; j < C; ++j) {
-          const float q = std::min(std::max(std::nearbyint((row[j] - lo) / delta), 0.f), levels);
+          const float q = std::min(std::max(std::nearbyint((row[j] - lo) * inv), 0.f), levels);
           const float d = q * delta + lo - row[j];
-          e += static_cast<double>(d * d * wt[j]);
+          e += d * d * wt[j];
         }
         if (e < best) {
           best = e;
@@ -573,32 +574,28 @@ void width_targets(const Config& c, const float* B, const float* gain, Work& w) 
   }
 }
 
-// Codes q [R][C] of rows at their widths (w.width) packed as kvarn.ops.widths.pack_rows: grouped by width, widest
-// first, each row as kvarn.ops.packing packs it at its width; the widths 3 bits each.
+// Codes q [R][C] of rows at their widths (w.width) packed as kvarn.ops.widths.pack_rows: a 4-bit block (the 4-bit
+// rows), a 2-bit block (the 3-bit rows' low bits, then the 2-bit rows), a 1-bit block (the 3-bit rows' high bit, then
+// the 1-bit rows), each row part in the plane layout of kvarn.ops.packing; the widths 3 bits each.
 void pack_widths(const Config& c, const Work& w, const uint8_t* q, Encoded& e) {
   const int R = c.R, C = c.C;
-  std::fill(e.codes.begin(), e.codes.end(), 0);
+  constexpr int BLOCKS[5][3] = {{4, 4, 0}, {2, 3, 0}, {2, 2, 0}, {1, 3, 2}, {1, 1, 0}};  // bits, row width, shift
   uint8_t* out = e.codes.data();
-  for (int width = WIDTHS - 1; width >= 1; --width)
+  for (const auto& blk : BLOCKS) {
+    const int bits = blk[0], width = blk[1], shift = blk[2];
+    const int m = C * bits / 8, per = 8 / bits, mask = (1 << bits) - 1;
     for (int r = 0; r < R; ++r) {
       if (w.width[r] != width) continue;
       const uint8_t* qr = q + r * C;
-      if (width == 3) {
-        for (int i = 0; i < C / 8; ++i) {
-          uint32_t word = 0;
-          for (int j = 0; j < 8; ++j) word |= static_cast<uint32_t>(qr[8 * i + j]) << (3 * j);
-          for (int k = 0; k < 3; ++k) out[3 * i + k] = static_cast<uint8_t>(word >> (8 * k));
-        }
-      } else {
-        const int m = C * width / 8, per = 8 / width;
-        for (int j = 0; j < m; ++j) {
-          uint8_t byte = 0;
-          for (int k = 0; k < per; ++k) byte |= static_cast<uint8_t>(qr[k * m + j] << (k * width));
-          out[j] = byte;
-        }
+      for (int j = 0; j < m; ++j) {
+        uint8_t byte = 0;
+        for (int k = 0; k < per; ++k) byte |= static_cast<uint8_t>(((qr[k * m + j] >> shift) & mask) << (k * bits));
+        out[j] = byte;
       }
-      out += C * width / 8;
+      out += m;
     }
+  }
+  std::fill(out, e.codes.data() + e.codes.size(), 0);
   for (int i = 0; i < R / 8; ++i) {
     uint32_t word = 0;
     for (int j = 0; j < 8; ++j) word |= static_cast<uint32_t>(w.width[8 * i + j]) << (3 * j);
