@@ -492,6 +492,42 @@ __attribute__((noinline, optimize("fp-contract=off"))) void clip_range(float& lo
 constexpr int WIDTHS = 5;  // 0..4 bits a row
 constexpr int N_CLIPS = 13;  // kvarn.ops.widths.CLIPS: 0.40, 0.45, .., 1.00
 
+// e[k] = sum_j wt_j (clamp(round((row_j - lo_k) / delta_k), 0, top) delta_k + lo_k - row_j)^2 for the N_CLIPS grids
+// (lo_k, delta_k) at once (one pass over the row, N_CLIPS independent sums), the quotient as a product by 1 / delta
+// and float sums: only compared (the stored codes are formed as torch forms them)
+void grid_errors(const float* row, const float* wt, int n, const float* lo, const float* delta, float top, float* e) {
+  float inv[N_CLIPS];
+  for (int k = 0; k < N_CLIPS; ++k) {
+    inv[k] = 1.f / delta[k];
+    e[k] = 0.f;
+  }
+  int j = 0;
+#if defined(__AVX512F__)
+  __m512 acc[N_CLIPS];
+  for (int k = 0; k < N_CLIPS; ++k) acc[k] = _mm512_setzero_ps();
+  const __m512 vtop = _mm512_set1_ps(top), zero = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_loadu_ps(row + j), w = _mm512_loadu_ps(wt + j);
+#pragma GCC unroll 13
+    for (int k = 0; k < N_CLIPS; ++k) {
+      const __m512 vlo = _mm512_set1_ps(lo[k]);
+      __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(x, vlo), _mm512_set1_ps(inv[k])),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q = _mm512_min_ps(_mm512_max_ps(q, zero), vtop);
+      const __m512 d = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(q, _mm512_set1_ps(delta[k])), vlo), x);
+      acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(_mm512_mul_ps(d, d), w));
+    }
+  }
+  for (int k = 0; k < N_CLIPS; ++k) e[k] = _mm512_reduce_add_ps(acc[k]);
+#endif
+  for (; j < n; ++j)
+    for (int k = 0; k < N_CLIPS; ++k) {
+      const float q = std::min(std::max(std::nearbyint((row[j] - lo[k]) * inv[k]), 0.f), top);
+      const float d = q * delta[k] + lo[k] - row[j];
+      e[k] += d * d * wt[j];
+    }
+}
+
 void width_targets(const Config& c, const float* B, const float* gain, Work& w) {
   const int R = c.R, C = c.C, T = c.widths;
   w.werr.resize(R * WIDTHS);
@@ -521,27 +557,22 @@ void width_targets(const Config& c, const float* B, const float* gain, Work& w) 
     w.werr[r * WIDTHS] = static_cast<float>(e0);
     w.wlo[r * WIDTHS] = mean;
     w.wdelta[r * WIDTHS] = std::max(hi0 - lo0, RANGE_GUARD);
+    float clo[N_CLIPS], chi[N_CLIPS], cdelta[N_CLIPS], ce[N_CLIPS];
+    for (int k = 0; k < N_CLIPS; ++k) {
+      clo[k] = lo0;
+      chi[k] = hi0;
+      if (k + 1 < N_CLIPS) clip_range(clo[k], chi[k], static_cast<float>(0.5 * ((8 + k) / 20.0)));
+    }
     for (int bits = 1; bits < WIDTHS; ++bits) {
       const float levels = static_cast<float>((1 << bits) - 1);
-      float best = std::numeric_limits<float>::infinity();
-      for (int k = 0; k < N_CLIPS; ++k) {
-        float lo = lo0, hi = hi0;
-        if (k + 1 < N_CLIPS) clip_range(lo, hi, static_cast<float>(0.5 * ((8 + k) / 20.0)));
-        const float delta = std::max((hi - lo) / levels, RANGE_GUARD), inv = 1.f / delta;
-        float e = 0.f;  // only compared: a product by 1 / delta and float sums (the codes are formed as torch's)
-#pragma omp simd reduction(+ : e)
-        for (int j = 0; j < C; ++j) {
-          const float q = std::min(std::max(std::nearbyint((row[j] - lo) * inv), 0.f), levels);
-          const float d = q * delta + lo - row[j];
-          e += d * d * wt[j];
-        }
-        if (e < best) {
-          best = e;
-          w.wlo[r * WIDTHS + bits] = lo;
-          w.wdelta[r * WIDTHS + bits] = delta;
-        }
-      }
-      w.werr[r * WIDTHS + bits] = static_cast<float>(best);
+      for (int k = 0; k < N_CLIPS; ++k) cdelta[k] = std::max((chi[k] - clo[k]) / levels, RANGE_GUARD);
+      grid_errors(row, wt, C, clo, cdelta, levels, ce);
+      int best = 0;
+      for (int k = 1; k < N_CLIPS; ++k)
+        if (ce[k] < ce[best]) best = k;
+      w.wlo[r * WIDTHS + bits] = clo[best];
+      w.wdelta[r * WIDTHS + bits] = cdelta[best];
+      w.werr[r * WIDTHS + bits] = ce[best];
     }
   }
   // cost[t]: the least error of the rows so far holding t bits; choice[i][t]: row i's width on that path
@@ -553,19 +584,38 @@ void width_targets(const Config& c, const float* B, const float* gain, Work& w) 
   for (int i = 0; i < R; ++i) {
     const float* ei = w.werr.data() + i * WIDTHS;
     uint8_t* ch = w.choice.data() + static_cast<size_t>(i) * (T + 1);
-    for (int t = 0; t <= T; ++t) {
+    const float* cost = w.cost.data();
+    float* cost2 = w.cost2.data();
+    int t = 0;
+    auto scalar = [&](int t) {
       float best = inf;
       int arg = 0;
       for (int v = 0; v < WIDTHS && v <= t; ++v) {
-        const float cand = w.cost[t - v] + ei[v];
+        const float cand = cost[t - v] + ei[v];
         if (cand < best) {
           best = cand;
           arg = v;
         }
       }
-      w.cost2[t] = best;
+      cost2[t] = best;
       ch[t] = static_cast<uint8_t>(arg);
+    };
+    for (; t < WIDTHS - 1 && t <= T; ++t) scalar(t);
+#if defined(__AVX512F__)
+    for (; t + 16 <= T + 1; t += 16) {  // the same comparisons, 16 totals at once
+      __m512 best = _mm512_set1_ps(inf);
+      __m512i arg = _mm512_setzero_si512();
+      for (int v = 0; v < WIDTHS; ++v) {
+        const __m512 cand = _mm512_add_ps(_mm512_loadu_ps(cost + t - v), _mm512_set1_ps(ei[v]));
+        const __mmask16 lt = _mm512_cmp_ps_mask(cand, best, _CMP_LT_OQ);
+        best = _mm512_mask_blend_ps(lt, best, cand);
+        arg = _mm512_mask_blend_epi32(lt, arg, _mm512_set1_epi32(v));
+      }
+      _mm512_storeu_ps(cost2 + t, best);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ch + t), _mm512_cvtepi32_epi8(arg));
     }
+#endif
+    for (; t <= T; ++t) scalar(t);
     std::swap(w.cost, w.cost2);
   }
   for (int i = R - 1, t = T; i >= 0; --i) {
