@@ -356,3 +356,44 @@ def packed_calls(fn):
         return fn(), sum(calls)
     finally:
         packed_mod.packed_attention = real
+
+
+# -- a key format's packed read path and its life in a model (tests/quant/test_refine.py, test_widths.py) ---------
+def check_packed_key_logits(q: AffineQuantizer, seed: int = 11, d: int = 64) -> None:
+    """The read path that folds scales into the query (`kvarn.attention.packed`) reads q's key tiles as decode does:
+    logits of packed tiles equal q @ decode(K)^T (rotation chosen per tile), float64."""
+    from kvarn.ops.hadamard import hadamard_transform
+
+    gen = torch.Generator().manual_seed(seed)
+    b, h, n, g = 2, 3, 2, q.tile
+    packed = q.encode(torch.randn(b * h * n, g, d, generator=gen), torch.rand(b * h * n, d, generator=gen))
+    view = StoredKV(None, packed.unflatten((b, h, n)), n, None, torch.zeros(0, 3, dtype=torch.long), None, q,
+                    (b, h, d), torch.float32)
+    qs = torch.randn(b, h, 4, d, generator=gen, dtype=torch.float64)
+    got = packed_mod._affine_key_logits(qs, hadamard_transform(qs), view, 0, n, torch.float64)
+    dec = q.decode(packed, torch.float64).reshape(b, h, n * g, d)
+    assert torch.allclose(got, qs @ dec.transpose(-1, -2), rtol=1e-9, atol=1e-9)
+
+
+def check_in_a_model(preset: Preset, tmp_path, seed: int, field: str) -> None:
+    """`preset` in a 2-layer model: packed reads match reference reads (1e-3 relative, as
+    tests/integrations/test_transformers.py), the key tiles hold `field`, the bytes held are the format's, and a saved
+    cache continues as the original."""
+    from kvarn.integrations.serialize import load_cache, save_cache
+    from kvarn.integrations.transformers import KVarNCache
+
+    model = make_tiny_model("llama", head_dim=64)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (1, 158), generator=gen)
+    ref = forward_steps(model, ids, KVarNCache(model.config, preset, sink=8, attention="reference"), [150, 5, 1])
+    cache = KVarNCache(model.config, preset, sink=8)
+    got = forward_steps(model, ids, cache, [150, 5, 1])
+    assert close(got, ref, rel=1e-3), f"max diff {(got - ref).abs().max()}"
+    keys = cache.layers[0].store.keys
+    assert keys.n_tiles >= 1 and getattr(keys.packed, field) is not None
+    b, h = keys.packed.axes(2)
+    assert keys.packed.nbytes == b * h * keys.n_tiles * keys.quantizer.format(64).nbytes
+    save_cache(cache, tmp_path / "c.safetensors")
+    back = load_cache(tmp_path / "c.safetensors", model.config, preset=preset)
+    more = ids[:, 156:]
+    assert torch.equal(forward_steps(model, more, cache, [1, 1]), forward_steps(model, more, back, [1, 1]))

@@ -32,6 +32,7 @@ from kvarn.presets import get_preset
 from kvarn.presets.family import widths_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer, QueryAwareQuantizer
 from kvarn.quant.tiles import AffineFormat
+from tests.helpers import check_in_a_model, check_packed_key_logits
 from tests.reference import widths as ref
 from tests.reference.affine import reconstruct_ref
 from tests.reference.packing import unpack_row
@@ -206,19 +207,7 @@ def test_widths_beat_two_bits_at_the_same_mean() -> None:
 def test_packed_read_equals_decoded_matmul() -> None:
     """The read path that folds scales into the query (`kvarn.attention.packed`) reads rows at their widths as
     decode does: logits of packed tiles equal q @ decode(K)^T (rotation chosen per tile)."""
-    from kvarn.attention.packed import _affine_key_logits
-    from kvarn.attention.view import StoredKV
-
-    gen = torch.Generator().manual_seed(11)
-    q = AffineQuantizer(cfg("auto"))
-    b, h, n = 2, 3, 2
-    packed = q.encode(torch.randn(b * h * n, G, D, generator=gen), torch.rand(b * h * n, D, generator=gen))
-    view = StoredKV(None, packed.unflatten((b, h, n)), n, None, torch.zeros(0, 3, dtype=torch.long), None, q,
-                    (b, h, D), torch.float32)
-    qs = torch.randn(b, h, 4, D, generator=gen, dtype=torch.float64)
-    got = _affine_key_logits(qs, hadamard_transform(qs), view, 0, n, torch.float64)
-    dec = q.decode(packed, torch.float64).reshape(b, h, n * G, D)
-    assert torch.allclose(got, qs @ dec.transpose(-1, -2), rtol=1e-9, atol=1e-9)
+    check_packed_key_logits(AffineQuantizer(cfg("auto")))
 
 
 def test_which_kernels_serve_the_format(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,24 +240,4 @@ def test_in_a_model(tmp_path, seed: int) -> None:
     """kvarn-w2.5 in a 2-layer model: packed reads match reference reads (1e-3 relative, as
     tests/integrations/test_transformers.py), the bytes held are the format's, and a saved cache continues as the
     original."""
-    from kvarn.integrations.serialize import load_cache, save_cache
-    from kvarn.integrations.transformers import KVarNCache
-    from tests.helpers import close, forward_steps, make_tiny_model
-
-    model = make_tiny_model("llama", head_dim=64)
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 256, (1, 158), generator=gen)
-    preset = get_preset("kvarn-w2.5")
-    ref_logits = forward_steps(model, ids, KVarNCache(model.config, preset, sink=8, attention="reference"),
-                               [150, 5, 1])
-    cache = KVarNCache(model.config, preset, sink=8)
-    got = forward_steps(model, ids, cache, [150, 5, 1])
-    assert close(got, ref_logits, rel=1e-3), f"max diff {(got - ref_logits).abs().max()}"
-    keys = cache.layers[0].store.keys
-    assert keys.n_tiles >= 1 and keys.packed.row_widths is not None
-    b, h = keys.packed.axes(2)
-    assert keys.packed.nbytes == b * h * keys.n_tiles * keys.quantizer.format(64).nbytes
-    save_cache(cache, tmp_path / "c.safetensors")
-    back = load_cache(tmp_path / "c.safetensors", model.config, preset=preset)
-    more = ids[:, 156:]
-    assert torch.equal(forward_steps(model, more, cache, [1, 1]), forward_steps(model, more, back, [1, 1]))
+    check_in_a_model(get_preset("kvarn-w2.5"), tmp_path, seed, "row_widths")
