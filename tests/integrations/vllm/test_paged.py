@@ -848,7 +848,7 @@ def test_auto_flags_live_in_the_accounted_page_bytes(name: str) -> None:
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.8, "widths"])
-def test_query_aware_keys_match_oracle_with_running_covariance(read_path, clip: float | str, monkeypatch) -> None:
+def test_query_aware_keys_match_oracle_with_running_covariance(read_path, clip: float | str) -> None:
     """kvarn-auto-k2v2 with query-aware keys (`-qar`) over mixed steps with a prefix-cache hit: the layer keeps the
     engine's running E[q q^T] per KV head (every query of every step, GQA heads pooled; float64 oracle to 1e-5), each
     key tile is rounded with the matrix as of the step that completes it (its codes equal the oracle encode's), and the
@@ -860,7 +860,6 @@ def test_query_aware_keys_match_oracle_with_running_covariance(read_path, clip: 
     if clip == "widths":
         eng = Engine(sink_blocks=1, preset=widths_preset(tile=G, mean=2.5))
         assert eng.lay.key_q.format(D).widths == 40
-        monkeypatch.setattr(eng.lay.key_q, "_kernel", lambda x: False)  # no store kernel: the reference stores them
     else:
         eng = Engine(preset_bits=(2, 2), sink_blocks=1, family="kvarn-auto", rounding="query-aware", clip=(clip, clip))
         assert eng.lay.key_q.config.clip == clip
