@@ -35,7 +35,9 @@ from functools import cached_property
 import torch
 
 from kvarn.ops.hadamard import hadamard_dense
+from kvarn.ops.packing import packed_size
 from kvarn.ops.seats import Seat, supported
+from kvarn.ops.widths import WIDTH_BITS
 from kvarn.quant.tiles import AffineTiles
 
 KERNEL_BITS = (1, 2, 3, 4, 8)
@@ -90,7 +92,8 @@ class PackedTiles:
                 raise ValueError(f"{what}: missing packed field {name!r}")
         widths = self.tiles.fmt.widths
         inner = {"codes": (widths * cols // 8,) if widths else (rows, cols * self.bits // 8), "row_scale": (rows,),
-                 "row_zero": (rows,), "col_scale": (cols,), "rotated": (), "row_widths": (rows * 3 // 8,)}
+                 "row_zero": (rows,), "col_scale": (cols,), "rotated": (),
+                 "row_widths": (packed_size(rows, WIDTH_BITS),)}
         for name, t in self.tiles.items():
             shape = inner[name]
             k = len(shape)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from kvarn.ops.packing import packed_size, unpack_codes
-from kvarn.ops.widths import unpack_rows, unpack_widths
+from kvarn.ops.widths import WIDTH_BITS, unpack_rows, unpack_widths
 
 _FIELDS = 5  # codes, row_scale, row_zero, col_scale, rotated (kvarn.quant.tiles.AffineTiles order), [row widths]
 
@@ -43,7 +43,7 @@ def _gather(fields: list[torch.Tensor], strides: list[int], table: torch.Tensor,
     cap = int(table.max()) + 1 if table.numel() else 1
     widths = len(fields) > _FIELDS
     inner = [(fields[0].shape[-1],) if widths else (rows, packed_size(cols, bits)), (rows,), (rows,), (cols,), (),
-             (packed_size(rows, 3),)]
+             (packed_size(rows, WIDTH_BITS),)]
     out = []
     for i in range(len(fields)):
         t = fields[i]

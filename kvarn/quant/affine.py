@@ -218,10 +218,11 @@ class AffineQuantizer(TileQuantizer):
         if config.refine:
             check_bits(config.bits + REFINE_BITS)  # the refined rows' width must be one the packing supports
         if config.widths and (config.axis != "channel" or config.bits != MAX_WIDTH or config.refine
-                              or not 0 < config.widths <= MAX_WIDTH):
+                              or not config.varn or not 0 < config.widths <= MAX_WIDTH):
             raise ValueError(f"row widths are a key tile's mean channel bits in (0, {MAX_WIDTH}] with bits="
-                             f"{MAX_WIDTH} (the widest row), axis 'channel' and no refined rows; got widths "
-                             f"{config.widths!r}, bits {config.bits}, axis {config.axis!r}, refine {config.refine!r}")
+                             f"{MAX_WIDTH} (the widest row), axis 'channel', VarN and no refined rows; got widths "
+                             f"{config.widths!r}, bits {config.bits}, axis {config.axis!r}, varn {config.varn}, "
+                             f"refine {config.refine!r}")
         check_clip(config.clip)
         self.config = config
         self.tile = config.tile
@@ -311,12 +312,9 @@ class AffineQuantizer(TileQuantizer):
         row levels [N, R, 1], and the refined rows [N, k] (None without): those rows on the grid of bits +
         REFINE_BITS; with row widths, each row on the grid of its width and the widths [N, R] last (module
         docstring)."""
-        if fmt.widths:
-            ones = b.new_ones(())
-            u, delta, lo, levels, widths = width_targets(
-                b, ones.expand(b.shape[:-2] + b.shape[-1:]) if s_col is None else s_col,
-                ones.expand(b.shape[:-1]) if s_row is None else s_row,
-                None if weight is None else weight.float(), fmt.widths)
+        if fmt.widths:  # VarN is on (AffineQuantizer's check)
+            u, delta, lo, levels, widths = width_targets(b, s_col, s_row, None if weight is None else weight.float(),
+                                                         fmt.widths)
             return u, delta, lo, levels[..., None], widths
         bits, clip = self.config.bits, self.config.clip
         u, delta, lo = rtn_targets(b, bits, clip)

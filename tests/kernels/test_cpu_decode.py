@@ -28,6 +28,7 @@ import kvarn.kernels.cpu.build as build_mod
 from kvarn.attention import KVarNPast, packed_attention
 from kvarn.attention import fused as fused_mod
 from kvarn.kernels import PackedTiles, decode_attention
+from kvarn.ops.widths import unpack_widths
 from kvarn.presets import CachePolicy, Preset, get_preset
 from kvarn.quant.affine import AffineConfig, AffineQuantizer
 from kvarn.quant.tiles import AffineTiles
@@ -82,7 +83,7 @@ CASES = [("kvarn-k2v2-g64", d) for d in (64, 96, 128, 256)] + \
 
 
 @pytest.mark.parametrize("preset,d", CASES)
-def test_kernel_matches_oracle(preset, d, seed, monkeypatch):
+def test_kernel_matches_oracle(preset, d, seed):
     """GQA ratios 1, 3, 4 over one past of 3 batch rows (row 1 padded inside the sink, row 2 into the first tile),
     heavy-tailed K/V; a decode step and a causal chunk of 3 queries."""
     gen = torch.Generator().manual_seed(seed)
@@ -90,11 +91,10 @@ def test_kernel_matches_oracle(preset, d, seed, monkeypatch):
     g = get_preset(preset).tile
     t = 16 + 3 * g + int(torch.randint(1, g, (1,), generator=gen))  # sink, 3 tiles, a partial tail
     k, v = make_inputs("heavy", b, hkv, t, d, gen), make_inputs("gauss", b, hkv, t, d, gen)
-    with monkeypatch.context() as m:
-        if get_preset(preset).key(d).config.widths:
-            m.setenv("KVARN_KERNEL", "auto")  # row widths have no store kernel: the reference stores them
-        past = build_past(preset, k, v, sink=16)
+    past = build_past(preset, k, v, sink=16)
     assert past.keys.n_tiles == 3
+    if past.keys.packed.row_widths is not None:  # every width, so each block of the layout is read
+        assert set(unpack_widths(past.keys.packed.row_widths).unique().tolist()) == set(range(5))
     for groups in (1, 3, 4):
         for length in (1, 3):
             q = make_inputs("heavy", b, hkv * groups, length, d, gen)

@@ -231,6 +231,8 @@ def test_which_kernels_serve_the_format(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ValueError, match="row widths"):
         AffineQuantizer(AffineConfig(4, "token", widths=2.0))
     with pytest.raises(ValueError, match="row widths"):
+        AffineQuantizer(AffineConfig(4, "channel", varn=False, widths=2.0))
+    with pytest.raises(ValueError, match="row widths"):
         AffineFormat(4, "channel", "none", G, 60, torch.float16, torch.float16, None, widths=120)
     with pytest.raises(ValueError, match="a budget"):
         widths_preset()

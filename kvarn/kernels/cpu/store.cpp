@@ -144,8 +144,7 @@ struct Work {
   std::vector<double> zsd, iec, ier;
   // row widths: per row and width its error, grid (lo, delta), the dynamic program's costs and choices, the widths
   std::vector<float> werr, wlo, wdelta, cost, cost2, wt;
-  std::vector<uint8_t> choice;
-  std::vector<int> width;
+  std::vector<uint8_t> choice, width;
   Work(const Config& c)
       : G(c.G), D(c.D), R(c.R), x0(c.G * c.D), x(c.R * c.C), dec(c.R * c.C), b(c.R * c.C), sc(c.C), sr(c.R),
         lc(c.C), lr(c.R), ec(c.C), er(c.R), bc(c.C), br(c.R), tf(c.C), rec(c.G * c.D), u(c.R * c.C), m(c.R * c.R),
@@ -482,13 +481,26 @@ __attribute__((noinline, optimize("fp-contract=off"))) void clip_range(float& lo
   hi = mid + half;
 }
 
-// Row widths (kvarn.ops.widths.width_targets) of balanced rows B [R][C] with VarN's s_c, s_r (w.bc, w.br) and row
-// weights gain [R] (null: 1): per row the error of its mean (width 0) and of the best of 13 clipped grids at each
-// width 1..4, e_r(w) = sum_c s_r^2 s_c^2 g_r (q delta + lo - b)^2 (float sums, q by 1 / delta; the first clip of
-// least error), then
-// the widths of least total error holding c.widths bits (exact dynamic program over the rows, float32 costs, the
-// first width on ties), into w.width, with each row's grid in w.wlo / w.wdelta [r * 5 + width]. Sums run in another
-// order than torch's, so a near-tie may fall the other way.
+// kvarn.ops.packing's layouts. One row of C codes (q >> shift) & mask at `bits` in planes: byte j holds codes j + k m,
+// k < 8 / bits, m = C bits / 8, at bits [k b, (k + 1) b).
+void pack_planes(const uint8_t* q, int C, int bits, int shift, uint8_t* out) {
+  const int m = C * bits / 8, per = 8 / bits, mask = (1 << bits) - 1;
+  for (int j = 0; j < m; ++j) {
+    uint8_t byte = 0;
+    for (int k = 0; k < per; ++k) byte |= static_cast<uint8_t>(((q[k * m + j] >> shift) & mask) << (k * bits));
+    out[j] = byte;
+  }
+}
+
+// n 3-bit codes (n a multiple of 8) in groups of 8 codes in 3 bytes, code j at bits [3j, 3j + 3)
+void pack3(const uint8_t* q, int n, uint8_t* out) {
+  for (int i = 0; i < n / 8; ++i) {
+    uint32_t word = 0;
+    for (int j = 0; j < 8; ++j) word |= static_cast<uint32_t>(q[8 * i + j]) << (3 * j);
+    for (int k = 0; k < 3; ++k) out[3 * i + k] = static_cast<uint8_t>(word >> (8 * k));
+  }
+}
+
 constexpr int WIDTHS = 5;  // 0..4 bits a row
 constexpr int N_CLIPS = 13;  // kvarn.ops.widths.CLIPS: 0.40, 0.45, .., 1.00
 
@@ -528,6 +540,12 @@ void grid_errors(const float* row, const float* wt, int n, const float* lo, cons
     }
 }
 
+// Row widths (kvarn.ops.widths.width_targets) of balanced rows B [R][C] with VarN's s_c, s_r (w.bc, w.br) and row
+// weights gain [R] (null: 1): per row the error of its mean (width 0, summed in double) and of the best of the
+// N_CLIPS grids at each width 1..4, e_r(w) = sum_c s_r^2 s_c^2 g_r (q delta + lo - b)^2 (`grid_errors`; the first
+// clip of least error); then the widths of least total error holding c.widths bits (exact dynamic program over the
+// rows, float32 costs, the first width on ties) into w.width, each row's grid in w.wlo / w.wdelta [r * 5 + width].
+// Sums run in another order than torch's, so a near-tie may fall the other way.
 void width_targets(const Config& c, const float* B, const float* gain, Work& w) {
   const int R = c.R, C = c.C, T = c.widths;
   w.werr.resize(R * WIDTHS);
@@ -538,10 +556,9 @@ void width_targets(const Config& c, const float* B, const float* gain, Work& w) 
   float* wt = w.wt.data();
   for (int r = 0; r < R; ++r) {
     const float* row = B + r * C;
-    const float sr = c.varn ? w.br[r] : 1.f, sr2 = sr * sr;
+    const float sr2 = w.br[r] * w.br[r];
     for (int j = 0; j < C; ++j) {
-      const float sc = c.varn ? w.bc[j] : 1.f;
-      wt[j] = sr2 * (sc * sc);
+      wt[j] = sr2 * (w.bc[j] * w.bc[j]);
       if (gain) wt[j] = wt[j] * gain[r];
     }
     float lo0, hi0;
@@ -631,26 +648,14 @@ void pack_widths(const Config& c, const Work& w, const uint8_t* q, Encoded& e) {
   const int R = c.R, C = c.C;
   constexpr int BLOCKS[5][3] = {{4, 4, 0}, {2, 3, 0}, {2, 2, 0}, {1, 3, 2}, {1, 1, 0}};  // bits, row width, shift
   uint8_t* out = e.codes.data();
-  for (const auto& blk : BLOCKS) {
-    const int bits = blk[0], width = blk[1], shift = blk[2];
-    const int m = C * bits / 8, per = 8 / bits, mask = (1 << bits) - 1;
-    for (int r = 0; r < R; ++r) {
-      if (w.width[r] != width) continue;
-      const uint8_t* qr = q + r * C;
-      for (int j = 0; j < m; ++j) {
-        uint8_t byte = 0;
-        for (int k = 0; k < per; ++k) byte |= static_cast<uint8_t>(((qr[k * m + j] >> shift) & mask) << (k * bits));
-        out[j] = byte;
+  for (const auto& blk : BLOCKS)
+    for (int r = 0; r < R; ++r)
+      if (w.width[r] == blk[1]) {
+        pack_planes(q + r * C, C, blk[0], blk[2], out);
+        out += C * blk[0] / 8;
       }
-      out += m;
-    }
-  }
   std::fill(out, e.codes.data() + e.codes.size(), 0);
-  for (int i = 0; i < R / 8; ++i) {
-    uint32_t word = 0;
-    for (int j = 0; j < 8; ++j) word |= static_cast<uint32_t>(w.width[8 * i + j]) << (3 * j);
-    for (int k = 0; k < 3; ++k) e.wid[3 * i + k] = static_cast<uint8_t>(word >> (8 * k));
-  }
+  pack3(w.width.data(), R, e.wid.data());
 }
 
 // X [R][C] -> one encoding: B = X / s_c / s_r (VarN), RTN per row, a = s_r delta, z = s_r lo, t = s_c, packed codes.
@@ -707,27 +712,8 @@ void encode_rows(const Config& c, const float* X, Work& w, Encoded& e, const flo
   }
   if (coef) query_aware_rows(c, coef, w, e.q.data());
   if (c.widths) return pack_widths(c, w, e.q.data(), e);
-  const int mb = c.mb();
-  if (c.bits == 3) {  // kvarn.ops.packing: groups of 8 codes in 3 bytes, code j at bits [3j, 3j + 3)
-    for (int i = 0; i < R * C / 8; ++i) {
-      const uint8_t* q = e.q.data() + 8 * i;
-      uint32_t word = 0;
-      for (int j = 0; j < 8; ++j) word |= static_cast<uint32_t>(q[j]) << (3 * j);
-      for (int k = 0; k < 3; ++k) e.codes[3 * i + k] = static_cast<uint8_t>(word >> (8 * k));
-    }
-    return;
-  }
-  // planes (kvarn.ops.packing): byte j of a row holds codes j + k m, k < 8 / bits, at bits [k b, (k + 1) b)
-  const int per = 8 / c.bits;
-  for (int r = 0; r < R; ++r) {
-    const uint8_t* q = e.q.data() + r * C;
-    uint8_t* out = e.codes.data() + r * mb;
-    for (int j = 0; j < mb; ++j) {
-      uint8_t byte = 0;
-      for (int k = 0; k < per; ++k) byte |= static_cast<uint8_t>(q[k * mb + j] << (k * c.bits));
-      out[j] = byte;
-    }
-  }
+  if (c.bits == 3) return pack3(e.q.data(), R * C, e.codes.data());
+  for (int r = 0; r < R; ++r) pack_planes(e.q.data() + r * C, C, c.bits, 0, e.codes.data() + r * c.mb());
 }
 
 // w.rec [D][G] (channel-major) <- the tile stored by fields a, z, t (t null without VarN) and codes q unpacked [R][C]:
@@ -958,8 +944,9 @@ std::vector<at::Tensor> store_tiles(const at::Tensor& x, const at::Tensor& weigh
   c.clipped = clip < 1.0;
   c.half_clip = static_cast<float>(0.5 * clip);
   c.widths = static_cast<int>(widths);
-  TORCH_CHECK(widths == 0 || (channel && bits == 4 && c.R % 8 == 0 && c.C % 8 == 0 && widths > 0 && widths <= 4 * c.R),
-              "kvarn store: row widths are for keys at bits 4, rows and columns multiples of 8, 1..4 R bits");
+  TORCH_CHECK(widths == 0 || (channel && use_varn && bits == 4 && c.R % 8 == 0 && c.C % 8 == 0 && widths > 0 &&
+                              widths <= 4 * c.R),
+              "kvarn store: row widths are for keys with VarN at bits 4, rows and columns multiples of 8, 1..4 R bits");
   const int nb = c.rotate == 2 ? 2 : 1;
   TORCH_CHECK(coef.numel() == 0 || (channel && coef.scalar_type() == at::kFloat && coef.is_contiguous() &&
                                     coef.dim() == 4 && coef.size(0) == N && coef.size(1) == nb &&
