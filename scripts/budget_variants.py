@@ -90,7 +90,7 @@ def register_variants() -> None:
         "kvarn-auto", 2, 2, 128, name="kvarn-auto-k2v2-g128-prerope").replace(key_pre_rope=True))
     # keys at 0-4 bits a channel, 2 bits on average (2.34375: 2.5 in all at head_dim 128): reverse water-filling in a
     # tile (scripts/row_widths.py)
-    for rule in ("mse", "query"):
+    for rule in ("mse", "query", "query-lowclip1"):
         for mean_bits in (2.0, 2.34375):
             name = f"kvarn-w{mean_bits:g}-{rule}-qar"
             register_preset(name, lambda m=mean_bits, rule=rule, name=name: widths_preset(m, rule, name=name))

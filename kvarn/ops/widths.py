@@ -20,6 +20,8 @@ width each (a 3-bit row's high bit weighs 4), with no 3-bit unpacking.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvarn.ops.packing import pack_codes, unpack_codes
@@ -55,10 +57,12 @@ def allocate_widths(err: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def width_targets(b: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor, gain: torch.Tensor | None,
-                  total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  total: int, clips: Sequence[Sequence[float]] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Balanced rows b [N, R, C] (X = b s_col s_row), row weights gain [N, R] (None: 1) -> (unrounded codes u
     [N, R, C], step delta and zero lo [N, R, 1] of the balanced rows, each row's largest code [N, R], widths [N, R])
-    at the widths `allocate_widths` gives (module docstring); u - q is a width-0 row's error in steps."""
+    at the widths `allocate_widths` gives (module docstring); u - q is a width-0 row's error in steps. clips[w - 1]:
+    the clips width w chooses from (None: CLIPS at every width; other sets are the lab's, no kernel reads them)."""
     wt = s_row[..., None].square() * s_col[..., None, :].square()  # [N, R, C]
     wt = wt if gain is None else wt * gain[..., None]
     mean = b.mean(-1, keepdim=True)
@@ -67,7 +71,7 @@ def width_targets(b: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor, gai
     targets = [((b - mean) / delta, delta, mean)]  # width 0
     for bits in range(1, MAX_WIDTH + 1):  # each row's best clip at this width (ties: the first clip)
         best = None
-        for c in CLIPS:
+        for c in (CLIPS if clips is None else clips[bits - 1]):
             t = rtn_targets(b, bits, c)
             e = ((torch.round(t[0]).clamp_(0, (1 << bits) - 1) * t[1] + t[2] - b).square() * wt).sum(-1)
             if best is None:

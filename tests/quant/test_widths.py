@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvarn.ops.hadamard import hadamard_transform
+from kvarn.ops.rtn import rtn_targets
 from kvarn.ops.widths import (
     CLIPS,
     MAX_WIDTH,
@@ -27,6 +28,7 @@ from kvarn.ops.widths import (
     pack_widths,
     unpack_rows,
     unpack_widths,
+    width_targets,
 )
 from kvarn.presets import get_preset
 from kvarn.presets.family import widths_preset
@@ -202,6 +204,40 @@ def test_widths_beat_two_bits_at_the_same_mean() -> None:
     base = get_preset("kvarn-auto-k2v2-g128-qar-clip").key(D)
     err = (kq.decode(kq.encode(x, sigma)) - x).square().sum()
     assert err < 0.8 * (base.decode(base.encode(x, sigma)) - x).square().sum()
+
+
+def test_clip_sets_per_width() -> None:
+    """width_targets' clips argument: the library's sets given explicitly change nothing; one clip per width puts every
+    row of that width on rtn_targets' grid at that clip, and a wider set at a width never errs more there."""
+    g = torch.Generator().manual_seed(2)
+    b = torch.randn(3, D, G, generator=g)
+    s_col = torch.rand(3, G, generator=g) + 0.5
+    s_row = torch.logspace(-1.5, 1.0, D)[torch.randperm(D, generator=g)].expand(3, D)  # rows at every width
+    total = round(MEAN * D)
+    base = width_targets(b, s_col, s_row, None, total)
+    for x, y in zip(base, width_targets(b, s_col, s_row, None, total, (CLIPS,) * MAX_WIDTH)):
+        assert torch.equal(x, y)
+    one = (0.45, 0.6, 0.85, 1.0)
+    u, delta, lo, _, w = width_targets(b, s_col, s_row, None, total, tuple((c,) for c in one))
+    for bits, c in enumerate(one, 1):
+        rows = w == bits
+        assert rows.any()
+        t = rtn_targets(b, bits, c)
+        assert torch.equal(delta[rows], t[1][rows]) and torch.equal(lo[rows], t[2][rows])
+        assert torch.equal(u[rows], t[0][rows])
+
+    wt = s_row[..., None].square() * s_col[..., None, :].square()
+
+    def grid_error(c: float) -> torch.Tensor:  # each row's error on the 1-bit grid at clip c
+        t = rtn_targets(b, 1, c)
+        return ((torch.round(t[0]).clamp(0, 1) * t[1] + t[2] - b).square() * wt).sum(-1)
+
+    u, delta, lo, _, w = width_targets(b, s_col, s_row, None, total, ((0.1, 0.2, 0.3, *CLIPS),) + (CLIPS,) * 3)
+    rows = w == 1
+    assert rows.any()
+    chosen = ((torch.round(u).clamp(0, 1) * delta + lo - b).square() * wt).sum(-1)
+    best_default = torch.stack([grid_error(c) for c in CLIPS]).amin(0)
+    assert (chosen[rows] <= best_default[rows]).all() and (chosen[rows] < best_default[rows]).any()
 
 
 def test_packed_read_equals_decoded_matmul() -> None:

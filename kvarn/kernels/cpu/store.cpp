@@ -26,6 +26,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -504,16 +505,53 @@ void pack3(const uint8_t* q, int n, uint8_t* out) {
 constexpr int WIDTHS = 5;  // 0..4 bits a row
 constexpr int N_CLIPS = 13;  // kvarn.ops.widths.CLIPS: 0.40, 0.45, .., 1.00
 
+// The N_CLIPS grids' ranges [clo_k, chi_k] of a row's [lo, hi], each as clip_range forms it (the last unclipped), in
+// arrays of 16 (lanes past N_CLIPS unused)
+void clip_ranges(float lo, float hi, float* clo, float* chi) {
+  static const auto half = [] {
+    std::array<float, 16> h{};
+    for (int k = 0; k + 1 < N_CLIPS; ++k) h[k] = static_cast<float>(0.5 * ((8 + k) / 20.0));
+    return h;
+  }();
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps((lo + hi) * 0.5f);
+  const __m512 h = _mm512_mul_ps(_mm512_set1_ps(hi - lo), _mm512_loadu_ps(half.data()));
+  _mm512_store_ps(clo, _mm512_sub_ps(m, h));
+  _mm512_store_ps(chi, _mm512_add_ps(m, h));
+#else
+  for (int k = 0; k + 1 < N_CLIPS; ++k) {
+    clo[k] = lo;
+    chi[k] = hi;
+    clip_range(clo[k], chi[k], half[k]);
+  }
+#endif
+  clo[N_CLIPS - 1] = lo;
+  chi[N_CLIPS - 1] = hi;
+}
+
+// delta_k = max((chi_k - clo_k) / levels, RANGE_GUARD), arrays of 16 (max(guard, x): a NaN x stays NaN, as in
+// std::max(x, guard))
+void grid_steps(const float* clo, const float* chi, float levels, float* delta) {
+#if defined(__AVX512F__)
+  const __m512 d = _mm512_div_ps(_mm512_sub_ps(_mm512_load_ps(chi), _mm512_load_ps(clo)), _mm512_set1_ps(levels));
+  _mm512_store_ps(delta, _mm512_max_ps(_mm512_set1_ps(RANGE_GUARD), d));
+#else
+  for (int k = 0; k < N_CLIPS; ++k) delta[k] = std::max((chi[k] - clo[k]) / levels, RANGE_GUARD);
+#endif
+}
+
 // e[k] = sum_j wt_j (clamp(round((row_j - lo_k) / delta_k), 0, top) delta_k + lo_k - row_j)^2 for the N_CLIPS grids
 // (lo_k, delta_k) at once (one pass over the row, N_CLIPS independent sums), the quotient as a product by 1 / delta
 // and float sums: only compared (the stored codes are formed as torch forms them)
 void grid_errors(const float* row, const float* wt, int n, const float* lo, const float* delta, float top, float* e) {
-  float inv[N_CLIPS];
-  for (int k = 0; k < N_CLIPS; ++k) {
-    inv[k] = 1.f / delta[k];
-    e[k] = 0.f;
-  }
+  alignas(64) float inv[16];
   int j = 0;
+#if defined(__AVX512F__)  // lo, delta: arrays of 16 (grid_steps)
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(delta)));
+#else
+  for (int k = 0; k < N_CLIPS; ++k) inv[k] = 1.f / delta[k];
+#endif
+  for (int k = 0; k < N_CLIPS; ++k) e[k] = 0.f;
 #if defined(__AVX512F__)
   __m512 acc[N_CLIPS];
   for (int k = 0; k < N_CLIPS; ++k) acc[k] = _mm512_setzero_ps();
@@ -540,6 +578,46 @@ void grid_errors(const float* row, const float* wt, int n, const float* lo, cons
     }
 }
 
+// sum_j x[j] in double (8 lanes, then their sum: the order differs from a running sum, but 128 floats of a balanced
+// row sum exactly in double unless their exponents span more than ~46 bits)
+double sum_double(const float* x, int n) {
+  double s = 0.0;
+  int j = 0;
+#if defined(__AVX512F__)
+  __m512d a0 = _mm512_setzero_pd(), a1 = a0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+    a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+  }
+  s = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+#endif
+  for (; j < n; ++j) s += x[j];
+  return s;
+}
+
+// sum_j float32(d_j d_j wt_j) in double, d_j = mean - row_j in float32 (a width-0 row's error)
+double mean_error(const float* row, const float* wt, int n, float mean) {
+  double s = 0.0;
+  int j = 0;
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps(mean);
+  __m512d a0 = _mm512_setzero_pd(), a1 = a0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 d = _mm512_sub_ps(m, _mm512_loadu_ps(row + j));
+    const __m512 e = _mm512_mul_ps(_mm512_mul_ps(d, d), _mm512_loadu_ps(wt + j));
+    a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+    a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+  }
+  s = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+#endif
+  for (; j < n; ++j) {
+    const float d = mean - row[j];
+    s += static_cast<double>(d * d * wt[j]);
+  }
+  return s;
+}
+
 // Row widths (kvarn.ops.widths.width_targets) of balanced rows B [R][C] with VarN's s_c, s_r (w.bc, w.br) and row
 // weights gain [R] (null: 1): per row the error of its mean (width 0, summed in double) and of the best of the
 // N_CLIPS grids at each width 1..4, e_r(w) = sum_c s_r^2 s_c^2 g_r (q delta + lo - b)^2 (`grid_errors`; the first
@@ -556,33 +634,26 @@ void width_targets(const Config& c, const float* B, const float* gain, Work& w) 
   float* wt = w.wt.data();
   for (int r = 0; r < R; ++r) {
     const float* row = B + r * C;
-    const float sr2 = w.br[r] * w.br[r];
-    for (int j = 0; j < C; ++j) {
-      wt[j] = sr2 * (w.bc[j] * w.bc[j]);
-      if (gain) wt[j] = wt[j] * gain[r];
+    const float sr2 = w.br[r] * w.br[r], g = gain ? gain[r] : 1.f;
+    if (gain) {
+#pragma omp simd
+      for (int j = 0; j < C; ++j) wt[j] = sr2 * (w.bc[j] * w.bc[j]) * g;
+    } else {
+#pragma omp simd
+      for (int j = 0; j < C; ++j) wt[j] = sr2 * (w.bc[j] * w.bc[j]);
     }
     float lo0, hi0;
     row_range(row, C, lo0, hi0);
-    double sum = 0.0;
-    for (int j = 0; j < C; ++j) sum += row[j];
-    const float mean = static_cast<float>(sum / C);
-    double e0 = 0.0;
-    for (int j = 0; j < C; ++j) {
-      const float d = mean - row[j];
-      e0 += static_cast<double>(d * d * wt[j]);
-    }
+    const float mean = static_cast<float>(sum_double(row, C) / C);
+    const double e0 = mean_error(row, wt, C, mean);
     w.werr[r * WIDTHS] = static_cast<float>(e0);
     w.wlo[r * WIDTHS] = mean;
     w.wdelta[r * WIDTHS] = std::max(hi0 - lo0, RANGE_GUARD);
-    float clo[N_CLIPS], chi[N_CLIPS], cdelta[N_CLIPS], ce[N_CLIPS];
-    for (int k = 0; k < N_CLIPS; ++k) {
-      clo[k] = lo0;
-      chi[k] = hi0;
-      if (k + 1 < N_CLIPS) clip_range(clo[k], chi[k], static_cast<float>(0.5 * ((8 + k) / 20.0)));
-    }
+    alignas(64) float clo[16], chi[16], cdelta[16], ce[N_CLIPS];
+    clip_ranges(lo0, hi0, clo, chi);
     for (int bits = 1; bits < WIDTHS; ++bits) {
       const float levels = static_cast<float>((1 << bits) - 1);
-      for (int k = 0; k < N_CLIPS; ++k) cdelta[k] = std::max((chi[k] - clo[k]) / levels, RANGE_GUARD);
+      grid_steps(clo, chi, levels, cdelta);
       grid_errors(row, wt, C, clo, cdelta, levels, ce);
       int best = 0;
       for (int k = 1; k < N_CLIPS; ++k)
