@@ -969,13 +969,15 @@ def test_pending_queries_fold_lazily_and_equal_eager_folding(stats: str) -> None
 
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompt_pieces_through_vllm_cpu_attention(dtype: torch.dtype, monkeypatch) -> None:
+@pytest.mark.parametrize("dtype,widths", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_prompt_pieces_through_vllm_cpu_attention(dtype: torch.dtype, widths: bool, monkeypatch) -> None:
     """Where vLLM's CPU attention can serve them (head_dim 64, G = 32 here), the prompt pieces over a decoded past go
     as ONE call of its kernel (`paged._vllm_pieces`) per layer and step: float32 matches the float64 oracle (1e-4) and
     the SDPA route (1e-5); bf16 matches the SDPA route within two bf16 ulps at the outputs' scale (|o| < 4: 3e-2;
     the routes sum in different orders). The scratch pages come NaN-filled, so a row the kernel weighs without
-    writing it (an exact block's rows past t) would show. KVARN_PREFILL_ATTENTION=sdpa is the SDPA route."""
+    writing it (an exact block's rows past t) would show. KVARN_PREFILL_ATTENTION=sdpa is the SDPA route. widths:
+    the `kvarn-w` keys, with every decoded past handed over channel-major, as their PyTorch decode leaves key tiles
+    none of which is rotated (vLLM's fill needs each row's channels adjacent; it stopped the engine on Qwen2.5)."""
     pytest.importorskip("vllm")
     import sys
 
@@ -986,7 +988,21 @@ def test_prompt_pieces_through_vllm_cpu_attention(dtype: torch.dtype, monkeypatc
     monkeypatch.setattr(mod, "D", 64)
     monkeypatch.setattr(packed_mod, "FOLD_MAX_ROWS", 8)
     monkeypatch.setenv("KVARN_KERNEL", "torch")
-    real, empty = paged._vllm_pieces, torch.empty
+    real, empty, real_pasts = paged._vllm_pieces, torch.empty, paged._decoded_pasts
+
+    def apart(x: torch.Tensor) -> torch.Tensor:  # the same values, each row's channels apart in memory
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    def pasts_apart(*a):
+        out = real_pasts(*a)
+        if out is None:
+            return None
+        parts = {i: (None if sink is None else tuple(apart(x) for x in sink), at, n)
+                 for i, (sink, at, n) in out.parts.items()}
+        return paged.DecodedPasts(tuple(apart(x) for x in out.rows), parts)
+
+    if widths:
+        monkeypatch.setattr(paged, "_decoded_pasts", pasts_apart)
 
     def pieces_nan_scratch(*a):
         calls.append(len(a[1]))
@@ -998,7 +1014,8 @@ def test_prompt_pieces_through_vllm_cpu_attention(dtype: torch.dtype, monkeypatc
         with monkeypatch.context() as m:
             m.setenv("KVARN_PREFILL_ATTENTION", route)
             m.setattr(paged, "_vllm_pieces", pieces_nan_scratch)
-            eng = Engine(sink_blocks=1, dtype=dtype, num_blocks=256)
+            eng = Engine(sink_blocks=1, dtype=dtype, num_blocks=256,
+                         preset=widths_preset(tile=G, mean=2.5) if widths else None)
             return _prefix_hit_steps(eng, torch.Generator().manual_seed(11), check=dtype == torch.float32)
 
     calls: list[int] = []
