@@ -578,8 +578,8 @@ void grid_errors(const float* row, const float* wt, int n, const float* lo, cons
     }
 }
 
-// sum_j x[j] in double (8 lanes, then their sum: the order differs from a running sum, but 128 floats of a balanced
-// row sum exactly in double unless their exponents span more than ~46 bits)
+// sum_j x[j] in double (8 lanes, then their sum: another order than a running sum's, yet the same double wherever the
+// sum is exact, as for 128 floats whose nonzero magnitudes span less than 2^22; the float32 mean rarely moves else)
 double sum_double(const float* x, int n) {
   double s = 0.0;
   int j = 0;
@@ -634,8 +634,9 @@ void width_targets(const Config& c, const float* B, const float* gain, Work& w) 
   float* wt = w.wt.data();
   for (int r = 0; r < R; ++r) {
     const float* row = B + r * C;
-    const float sr2 = w.br[r] * w.br[r], g = gain ? gain[r] : 1.f;
+    const float sr2 = w.br[r] * w.br[r];
     if (gain) {
+      const float g = gain[r];
 #pragma omp simd
       for (int j = 0; j < C; ++j) wt[j] = sr2 * (w.bc[j] * w.bc[j]) * g;
     } else {
