@@ -1,8 +1,9 @@
-"""Bit-identity of a C++ decode-kernel change: saves the fused kernel's outputs on fixed inputs, or compares them with
-a saved run (`torch.equal`), for a refactor meant to change no arithmetic.
+"""Bit-identity of a C++ kernel change: saves the fused kernels' outputs on fixed inputs, or compares them with a saved
+run (`torch.equal`), for a refactor meant to change no arithmetic.
 
     python scripts/kernel_bitcheck.py save [FILE]       (with the old kernel source checked out; it rebuilds)
     python scripts/kernel_bitcheck.py compare [FILE]    (with the new one)
+    python scripts/kernel_bitcheck.py save|compare --store [FILE]    (the tile store on real tiles, below)
 
 Inputs: `tests.helpers.kernel_outputs` (7 presets x float32/bf16/fp16 x GQA ratios 1/3/4, with padding masks,
 through the kernels: KVARN_KERNEL=cpu); plus the vLLM backend's batched
@@ -11,12 +12,18 @@ paged engine of tests/integrations/vllm/test_paged.py (chunked prefill pieces an
 a refactor of the backend's Python is checked to the bit as well. FILE defaults to
 /tmp/kvarn-kernel-bitcheck.pt. The float64-oracle tests (tests/kernels) bound the arithmetic; this shows that a
 change kept it to the bit.
+
+--store: every tensor the C++ tile store left in a `KVarNCache` (`save_cache`) after 1,280 tokens of kvarn's default
+text fed in chunks of 128 (the serving protocol: the running query statistics weigh kvarn-auto's choice and
+query-aware rounding), for `kvarn-w2.5` on the embedded SmolLM2 and on Qwen2.5-Coder-0.5B; FILE defaults to
+/tmp/kvarn-store-bitcheck.pt.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -67,15 +74,45 @@ def engine_outputs() -> dict[str, torch.Tensor]:
     return outs
 
 
+STORE_RUNS = (("default", "kvarn-w2.5"), ("qwen2.5-coder-0.5b", "kvarn-w2.5"))
+
+
+def store_outputs(tokens: int = 1280) -> dict[str, torch.Tensor]:
+    """--store: the stored tensors of `STORE_RUNS` (module docstring), keyed "model/preset:tensor"."""
+    from safetensors.torch import load_file
+
+    from kvarn.eval.text import load_tokens
+    from kvarn.integrations.serialize import save_cache
+    from kvarn.integrations.serving import prefill
+    from kvarn.integrations.transformers import KVarNCache
+    from kvarn.models import load_model
+
+    os.environ.pop("KVARN_KERNEL")  # the kernels where they serve: the store always here, SDPA for the chunks
+    outs = {}
+    for name, preset in STORE_RUNS:
+        model, tok = load_model(name)
+        cache = KVarNCache(model.config, preset)
+        prefill(model, load_tokens(tok, None, tokens), cache, 128)
+        with tempfile.TemporaryDirectory() as d:
+            save_cache(cache, f"{d}/c.safetensors")
+            outs.update({f"{name}/{preset}:{k}": t for k, t in load_file(f"{d}/c.safetensors").items()})
+    return outs
+
+
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("save", "compare"):
+    args = [a for a in sys.argv[1:] if a != "--store"]
+    store = len(args) < len(sys.argv) - 1
+    if not args or args[0] not in ("save", "compare"):
         sys.exit(__doc__)
-    path = sys.argv[2] if len(sys.argv) > 2 else "/tmp/kvarn-kernel-bitcheck.pt"
+    path = args[1] if len(args) > 1 else f"/tmp/kvarn-{'store' if store else 'kernel'}-bitcheck.pt"
     warnings.filterwarnings("ignore", message="kvarn. key tiles stored before any query")
-    outs = kernel_outputs()
-    outs["vllm batched decode"] = paged_output()
-    outs.update(engine_outputs())
-    if sys.argv[1] == "save":
+    if store:
+        outs = store_outputs()
+    else:
+        outs = kernel_outputs()
+        outs["vllm batched decode"] = paged_output()
+        outs.update(engine_outputs())
+    if args[0] == "save":
         torch.save(outs, path)
         print(f"saved {len(outs)} outputs to {path}")
         return

@@ -29,11 +29,9 @@ at_width = {b: collections.Counter() for b in range(1, W.MAX_WIDTH + 1)}
 def recording(b, s_col, s_row, gain, total, clips=None):
     """`width_targets`, counting each row's best clip per width (the first of least error, as it chooses)."""
     out = W.width_targets(b, s_col, s_row, gain, total, clips)
-    wt = s_row[..., None].square() * s_col[..., None, :].square()
-    wt = wt if gain is None else wt * gain[..., None]
+    wt = W.row_weights(s_col, s_row, gain)
     for bits in range(1, W.MAX_WIDTH + 1):
-        err = torch.stack([((torch.round(t[0]).clamp(0, (1 << bits) - 1) * t[1] + t[2] - b).square() * wt).sum(-1)
-                           for t in (rtn_targets(b, bits, c) for c in W.CLIPS)], -1)
+        err = torch.stack([W.grid_error(b, wt, rtn_targets(b, bits, c), bits) for c in W.CLIPS], -1)
         best = err.argmin(-1)
         every[bits].update(best.flatten().tolist())
         at_width[bits].update(best[out[4] == bits].tolist())

@@ -56,6 +56,18 @@ def allocate_widths(err: torch.Tensor, total: int) -> torch.Tensor:
     return w
 
 
+def row_weights(s_col: torch.Tensor, s_row: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
+    """The weight of each element's squared error [N, R, C]: s_row_r^2 s_col_c^2 (g_r)."""
+    wt = s_row[..., None].square() * s_col[..., None, :].square()
+    return wt if gain is None else wt * gain[..., None]
+
+
+def grid_error(b: torch.Tensor, wt: torch.Tensor, t: tuple[torch.Tensor, ...], bits: int) -> torch.Tensor:
+    """e_r [N, R]: the weighted squared error of rows b on the grid t = `rtn_targets(b, bits, clip)` (nearest
+    rounding)."""
+    return ((torch.round(t[0]).clamp_(0, (1 << bits) - 1) * t[1] + t[2] - b).square() * wt).sum(-1)
+
+
 def width_targets(b: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor, gain: torch.Tensor | None,
                   total: int, clips: Sequence[Sequence[float]] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,8 +75,7 @@ def width_targets(b: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor, gai
     [N, R, C], step delta and zero lo [N, R, 1] of the balanced rows, each row's largest code [N, R], widths [N, R])
     at the widths `allocate_widths` gives (module docstring); u - q is a width-0 row's error in steps. clips[w - 1]:
     the clips width w chooses from (None: CLIPS at every width; other sets are the lab's, no kernel reads them)."""
-    wt = s_row[..., None].square() * s_col[..., None, :].square()  # [N, R, C]
-    wt = wt if gain is None else wt * gain[..., None]
+    wt = row_weights(s_col, s_row, gain)
     mean = b.mean(-1, keepdim=True)
     err = [((mean - b).square() * wt).sum(-1)]
     delta = (b.amax(-1, keepdim=True) - b.amin(-1, keepdim=True)).clamp_min(RANGE_GUARD)
@@ -73,7 +84,7 @@ def width_targets(b: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor, gai
         best = None
         for c in (CLIPS if clips is None else clips[bits - 1]):
             t = rtn_targets(b, bits, c)
-            e = ((torch.round(t[0]).clamp_(0, (1 << bits) - 1) * t[1] + t[2] - b).square() * wt).sum(-1)
+            e = grid_error(b, wt, t, bits)
             if best is None:
                 best, chosen = e, t
             else:

@@ -617,8 +617,9 @@ def _vllm_pieces(ops, waiting: list[tuple], together: DecodedPasts | None,
     fills.append((torch.cat([k.transpose(0, 1) for *_, k, _ in waiting]),
                   torch.cat([v.transpose(0, 1) for *_, v in waiting]),
                   torch.cat([rows_from(n + r, x) for r, x in enumerate(t)])))
-    for k, v, slots in fills:  # vLLM's fill reads the rows where they lie (strided), their channels adjacent: a
-        k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))  # PyTorch decode leaves them apart
+    for k, v, slots in fills:  # vLLM's fill reads the rows where they lie (strided) but needs each row's channels
+        # adjacent, which the PyTorch decode of channel-axis tiles with none rotated leaves apart (kvarn-w2.5 on Qwen)
+        k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
         ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
     span = _span([w[3] for w in waiting])  # the pieces' rows, one run of the step's rows (a prefill step's are)
     q = query[span] if span else torch.cat([query[w[3]] for w in waiting])  # [sum L, Hq, D] (strided, as stock's)
